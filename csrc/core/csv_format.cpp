@@ -1,0 +1,83 @@
+// PyTorch CSV layout import/export.
+#include "zbpipe/csv_format.h"
+
+#include <algorithm>
+
+#include "passes/action_table.h"
+#include "zbpipe/compile.h"
+#include "zbpipe/error.h"
+#include "zbpipe/passes.h"
+
+namespace zbpipe {
+
+std::string to_csv(const Program& p) {
+  std::string out;
+  for (const auto& acts : p.ranks) {
+    for (size_t i = 0; i < acts.size(); ++i) {
+      if (i) out += ',';
+      append_string(out, acts[i]);
+    }
+    out += "\r\n";  // what Python's csv.writer emits
+  }
+  return out;
+}
+
+Program from_csv(const std::string& text) {
+  Program p;
+  p.schedule = "csv";
+  size_t line_no = 0, begin = 0;
+  while (begin < text.size()) {
+    size_t nl = text.find('\n', begin);
+    std::string_view line(text.data() + begin, (nl == std::string::npos ? text.size() : nl) - begin);
+    begin = nl == std::string::npos ? text.size() : nl + 1;
+    ++line_no;
+    std::vector<Action> row;
+    size_t cell_begin = 0;
+    while (cell_begin <= line.size()) {
+      size_t comma = line.find(',', cell_begin);
+      std::string_view cell = line.substr(cell_begin, comma == std::string_view::npos ? std::string_view::npos : comma - cell_begin);
+      bool blank = std::all_of(cell.begin(), cell.end(), [](char c) { return c == ' ' || c == '\r' || c == '\t'; });
+      if (!blank) {
+        try {
+          row.push_back(parse_action(cell));
+        } catch (const ScheduleError& e) {
+          throw ScheduleError(detail::str("CSV line ", line_no, ": ", e.what()));
+        }
+      }
+      if (comma == std::string_view::npos) break;
+      cell_begin = comma + 1;
+    }
+    p.ranks.push_back(std::move(row));
+  }
+  // Trailing empty lines are not ranks.
+  while (!p.ranks.empty() && p.ranks.back().empty()) p.ranks.pop_back();
+  ZB_SCHEDULE_CHECK(!p.ranks.empty(), "CSV schedule has no rows");
+  p.pp = static_cast<int>(p.ranks.size());
+  int max_stage = -1, max_mb = -1;
+  for (const auto& acts : p.ranks)
+    for (const auto& a : acts)
+      for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
+        max_stage = std::max(max_stage, s->stage);
+        max_mb = std::max(max_mb, s->microbatch);
+      }
+  p.num_stages = max_stage + 1;
+  p.microbatches = max_mb + 1;
+  p.stage_to_rank.assign(p.num_stages, -1);
+  for (int r = 0; r < p.pp; ++r)
+    for (const auto& a : p.ranks[r])
+      for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
+        int& owner = p.stage_to_rank[s->stage];
+        ZB_SCHEDULE_CHECK(owner == -1 || owner == r, "CSV schedule: stage ", s->stage,
+                          " appears on rank ", owner, " and on rank ", r);
+        owner = r;
+      }
+  for (int s = 0; s < p.num_stages; ++s)
+    ZB_SCHEDULE_CHECK(p.stage_to_rank[s] != -1, "CSV schedule: stage ", s, " never appears");
+  if (p.has_comms()) {
+    validate(p);
+    return p;
+  }
+  return lower(p);
+}
+
+}  // namespace zbpipe

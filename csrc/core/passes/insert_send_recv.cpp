@@ -1,0 +1,89 @@
+// Lowering pass: adds SEND/RECV pairs to a compute-only program.
+//
+// Ranks are advanced in lock-step, one compute action per rank per sweep (as PyTorch's
+// _add_send_recv does, so CSVs of both libraries agree). A compute is placed once its
+// cross-rank input has been produced; placing a producer appends its SEND to its own rank and
+// the RECV to the consumer's rank at that moment, so every RECV follows its SEND in one global
+// order: a blocking-receive execution cannot deadlock and the per-pair order is FIFO. RECVs land
+// as early as possible, which lets the runtime post them ahead of the compute that needs them.
+#include "action_table.h"
+#include "zbpipe/error.h"
+#include "zbpipe/passes.h"
+
+namespace zbpipe {
+
+using detail::ActionTable;
+
+Program insert_send_recv(const Program& in) {
+  Program out = in;
+  for (auto& acts : out.ranks) acts.clear();
+  ActionTable<uint8_t> done(in.num_stages, in.microbatches, 0);
+  const int last = in.num_stages - 1;
+
+  auto input_ready = [&](const Action& a) {
+    if (a.kind == Kind::F) return a.stage == 0 || done.at(a.stage - 1, Kind::F, a.microbatch);
+    if (is_backward(a.kind))
+      return a.stage == last || done.at(a.stage + 1, Kind::I, a.microbatch) ||
+             done.at(a.stage + 1, Kind::B, a.microbatch);
+    return true;
+  };
+
+  std::vector<size_t> next(in.pp, 0);
+  size_t remaining = 0;
+  for (const auto& acts : in.ranks) remaining += acts.size();
+  while (remaining > 0) {
+    bool progress = false;
+    for (int r = 0; r < in.pp; ++r) {
+      if (next[r] >= in.ranks[r].size()) continue;
+      const Action& a = in.ranks[r][next[r]];
+      ZB_SCHEDULE_CHECK(is_compute(a.kind), "insert_send_recv expects compute-only input, got '",
+                        to_string(a), "' on rank ", r);
+      bool ready = true;
+      for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
+        ZB_SCHEDULE_CHECK(done.in_range(s->stage, s->microbatch), "action '", to_string(*s),
+                          "' on rank ", r, " is out of range (stages=", in.num_stages,
+                          ", microbatches=", in.microbatches, ")");
+        ready = ready && input_ready(*s);
+      }
+      if (!ready) continue;
+      out.ranks[r].push_back(a);
+      for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
+        done.at(s->stage, s->kind, s->microbatch) = 1;
+        if (!detail::output_crosses(in, *s)) continue;
+        if (s->kind == Kind::F) {
+          out.ranks[r].emplace_back(s->stage, Kind::SEND_F, s->microbatch);
+          out.ranks[in.rank_of(s->stage + 1)].emplace_back(s->stage + 1, Kind::RECV_F, s->microbatch);
+        } else {
+          out.ranks[r].emplace_back(s->stage, Kind::SEND_B, s->microbatch);
+          out.ranks[in.rank_of(s->stage - 1)].emplace_back(s->stage - 1, Kind::RECV_B, s->microbatch);
+        }
+      }
+      ++next[r];
+      --remaining;
+      progress = true;
+    }
+    if (!progress) {
+      int r = 0;
+      while (next[r] >= in.ranks[r].size()) ++r;
+      throw ScheduleError(detail::str(
+          "schedule '", in.schedule, "' cannot be lowered: no rank can make progress (rank ", r,
+          " waits on the input of '", to_string(in.ranks[r][next[r]]), "')\n",
+          format_program(in, r, static_cast<int>(next[r]))));
+    }
+  }
+  return out;
+}
+
+Program strip_comms(const Program& p) {
+  Program out = p;
+  for (auto& acts : out.ranks) {
+    std::vector<Action> kept;
+    kept.reserve(acts.size());
+    for (auto& a : acts)
+      if (is_compute(a.kind)) kept.push_back(std::move(a));
+    acts = std::move(kept);
+  }
+  return out;
+}
+
+}  // namespace zbpipe

@@ -1,0 +1,205 @@
+// Validation pass: structure, exactly-once compute, local ordering, SEND/RECV matching and a
+// blocking-receive execution. Every failure names the rule and shows the marked grid.
+#include <deque>
+#include <map>
+#include <utility>
+
+#include "action_table.h"
+#include "zbpipe/error.h"
+#include "zbpipe/passes.h"
+
+namespace zbpipe {
+
+using detail::ActionTable;
+
+namespace {
+
+[[noreturn]] void fail(const Program& p, int rank, int index, const std::string& why) {
+  throw ScheduleError(detail::str("invalid program '", p.schedule, "' (pp=", p.pp, ", stages=",
+                                  p.num_stages, ", microbatches=", p.microbatches, "): ", why,
+                                  "\n", format_program(p, rank, index)));
+}
+
+void check_shape(const Program& p) {
+  ZB_SCHEDULE_CHECK(p.pp >= 1 && p.num_stages >= 1 && p.microbatches >= 1, "invalid program '",
+                    p.schedule, "': pp=", p.pp, ", stages=", p.num_stages,
+                    ", microbatches=", p.microbatches, " must all be >= 1");
+  ZB_SCHEDULE_CHECK(static_cast<int>(p.ranks.size()) == p.pp, "invalid program '", p.schedule,
+                    "': ", p.ranks.size(), " rank action lists for pp=", p.pp);
+  ZB_SCHEDULE_CHECK(static_cast<int>(p.stage_to_rank.size()) == p.num_stages, "invalid program '",
+                    p.schedule, "': stage_to_rank has ", p.stage_to_rank.size(),
+                    " entries for ", p.num_stages, " stages");
+  for (int s = 0; s < p.num_stages; ++s)
+    ZB_SCHEDULE_CHECK(p.stage_to_rank[s] >= 0 && p.stage_to_rank[s] < p.pp, "invalid program '",
+                      p.schedule, "': stage ", s, " maps to rank ", p.stage_to_rank[s],
+                      " outside [0, ", p.pp, ")");
+}
+
+// The rank on the other end of a communication action.
+int peer_of(const Program& p, const Action& a) {
+  switch (a.kind) {
+    case Kind::SEND_F: return p.rank_of(a.stage + 1);
+    case Kind::RECV_F: return p.rank_of(a.stage - 1);
+    case Kind::SEND_B: return p.rank_of(a.stage - 1);
+    case Kind::RECV_B: return p.rank_of(a.stage + 1);
+    default: return -1;
+  }
+}
+
+// Whether the comm action has a neighbour stage that exists and lives on another rank.
+bool comm_is_legal(const Program& p, const Action& a) {
+  int other = (a.kind == Kind::SEND_F || a.kind == Kind::RECV_B) ? a.stage + 1 : a.stage - 1;
+  return other >= 0 && other < p.num_stages && p.rank_of(other) != p.rank_of(a.stage);
+}
+
+// The message a comm action carries, named by its sender: (sender stage, is_grad, mb).
+struct Message {
+  int stage, grad, mb;
+  bool operator<(const Message& o) const {
+    return std::tie(stage, grad, mb) < std::tie(o.stage, o.grad, o.mb);
+  }
+  bool operator==(const Message& o) const { return stage == o.stage && grad == o.grad && mb == o.mb; }
+};
+Message message_of(const Action& a) {
+  switch (a.kind) {
+    case Kind::SEND_F: return {a.stage, 0, a.microbatch};
+    case Kind::RECV_F: return {a.stage - 1, 0, a.microbatch};
+    case Kind::SEND_B: return {a.stage, 1, a.microbatch};
+    default: return {a.stage + 1, 1, a.microbatch};  // RECV_B
+  }
+}
+
+}  // namespace
+
+void validate(const Program& p) {
+  check_shape(p);
+  const int last = p.num_stages - 1;
+  // Position (1-based, 0 = absent) of each compute / comm action on its rank.
+  ActionTable<int32_t> pos(p.num_stages, p.microbatches, 0);
+  const bool comms = p.has_comms();
+
+  // 1. Placement, ranges, exactly-once.
+  for (int r = 0; r < p.pp; ++r) {
+    const auto& acts = p.ranks[r];
+    for (int i = 0; i < static_cast<int>(acts.size()); ++i) {
+      const Action& a = acts[i];
+      if (a.kind == Kind::OVERLAP_F_B && a.sub.empty()) fail(p, r, i, "OVERLAP_F_B without sub-actions");
+      for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
+        if (!pos.in_range(s->stage, s->microbatch))
+          fail(p, r, i, detail::str("'", to_string(*s), "' is out of range"));
+        if (p.rank_of(s->stage) != r)
+          fail(p, r, i, detail::str("'", to_string(*s), "' runs on rank ", r, " but stage ",
+                                    s->stage, " lives on rank ", p.rank_of(s->stage)));
+        if (is_comm(s->kind) && !comm_is_legal(p, *s))
+          fail(p, r, i, detail::str("'", to_string(*s),
+                                    "' has no cross-rank peer (no communication is needed there)"));
+        int32_t& slot = pos.at(s->stage, s->kind, s->microbatch);
+        if (slot != 0) fail(p, r, i, detail::str("'", to_string(*s), "' appears twice"));
+        slot = i + 1;
+      }
+    }
+  }
+  for (int s = 0; s < p.num_stages; ++s) {
+    const int r = p.rank_of(s);
+    for (int mb = 0; mb < p.microbatches; ++mb) {
+      std::string id = detail::str("stage ", s, " microbatch ", mb);
+      if (!pos.at(s, Kind::F, mb)) fail(p, r, -1, id + " never runs F");
+      bool full = pos.at(s, Kind::B, mb), in = pos.at(s, Kind::I, mb), wt = pos.at(s, Kind::W, mb);
+      if (full && (in || wt)) fail(p, r, -1, id + " runs both B and I/W");
+      if (!full && !(in && wt))
+        fail(p, r, -1, id + " needs B, or I and W (has I=" + std::to_string(in) + ", W=" +
+                           std::to_string(wt) + ")");
+    }
+  }
+
+  // 2. Local order on each rank, and with comms: RECV before its consumer, SEND after its producer.
+  auto bw = [&](int s, int mb) {
+    int32_t b = pos.at(s, Kind::B, mb);
+    return b ? b : pos.at(s, Kind::I, mb);
+  };
+  for (int s = 0; s < p.num_stages; ++s) {
+    const int r = p.rank_of(s);
+    for (int mb = 0; mb < p.microbatches; ++mb) {
+      const int f = pos.at(s, Kind::F, mb), b = bw(s, mb), w = pos.at(s, Kind::W, mb);
+      if (b <= f) fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb, " before its F"));
+      if (w && w <= b) fail(p, r, w - 1, detail::str("W of stage ", s, " mb ", mb, " before its I"));
+      if (s > 0 && p.rank_of(s - 1) == r && pos.at(s - 1, Kind::F, mb) >= f)
+        fail(p, r, f - 1, detail::str("F of stage ", s, " mb ", mb, " before F of stage ", s - 1));
+      if (s < last && p.rank_of(s + 1) == r && bw(s + 1, mb) >= b)
+        fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb,
+                                      " before the backward of stage ", s + 1));
+      if (!comms) continue;
+      if (s > 0 && p.rank_of(s - 1) != r) {
+        int rv = pos.at(s, Kind::RECV_F, mb);
+        if (!rv || rv > f) fail(p, r, f - 1, detail::str("F of stage ", s, " mb ", mb, " has no RECV_F before it"));
+      }
+      if (s < last && p.rank_of(s + 1) != r) {
+        int rv = pos.at(s, Kind::RECV_B, mb);
+        if (!rv || rv > b) fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb, " has no RECV_B before it"));
+        int sd = pos.at(s, Kind::SEND_F, mb);
+        if (!sd || sd < f) fail(p, r, f - 1, detail::str("F of stage ", s, " mb ", mb, " has no SEND_F after it"));
+      }
+      if (s > 0 && p.rank_of(s - 1) != r) {
+        int sd = pos.at(s, Kind::SEND_B, mb);
+        if (!sd || sd < b) fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb, " has no SEND_B after it"));
+      }
+    }
+  }
+  if (comms) {
+    // 3. Per ordered rank pair, sends and receives carry the same messages in the same order.
+    std::map<std::pair<int, int>, std::vector<Message>> sends, recvs;
+    for (int r = 0; r < p.pp; ++r)
+      for (const Action& a : p.ranks[r]) {
+        if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B) sends[{r, peer_of(p, a)}].push_back(message_of(a));
+        if (a.kind == Kind::RECV_F || a.kind == Kind::RECV_B) recvs[{peer_of(p, a), r}].push_back(message_of(a));
+      }
+    for (const auto& [pair, list] : sends) {
+      const auto& other = recvs[pair];
+      for (size_t k = 0; k < list.size(); ++k)
+        if (k >= other.size() || !(list[k] == other[k]))
+          fail(p, pair.second, -1, detail::str("send #", k, " from rank ", pair.first, " to rank ",
+                                                pair.second, " does not match the receive in that order"));
+    }
+  }
+
+  // 4. Blocking-receive execution: a RECV waits for its SEND, a compute for its inputs.
+  ActionTable<uint8_t> done(p.num_stages, p.microbatches, 0);
+  auto ready = [&](const Action& a) {
+    for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
+      switch (s->kind) {
+        case Kind::RECV_F: if (!done.at(s->stage - 1, Kind::SEND_F, s->microbatch)) return false; break;
+        case Kind::RECV_B: if (!done.at(s->stage + 1, Kind::SEND_B, s->microbatch)) return false; break;
+        case Kind::F: if (s->stage > 0 && !done.at(s->stage - 1, Kind::F, s->microbatch)) return false; break;
+        case Kind::B:
+        case Kind::I:
+          if (s->stage < last && !done.at(s->stage + 1, Kind::B, s->microbatch) &&
+              !done.at(s->stage + 1, Kind::I, s->microbatch))
+            return false;
+          break;
+        default: break;
+      }
+    }
+    return true;
+  };
+  std::vector<size_t> next(p.pp, 0);
+  for (bool progress = true; progress;) {
+    progress = false;
+    for (int r = 0; r < p.pp; ++r) {
+      const auto& acts = p.ranks[r];
+      while (next[r] < acts.size() && ready(acts[next[r]])) {
+        const Action& a = acts[next[r]];
+        for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
+          done.at(s->stage, s->kind, s->microbatch) = 1;
+        ++next[r];
+        progress = true;
+      }
+    }
+  }
+  for (int r = 0; r < p.pp; ++r)
+    if (next[r] < p.ranks[r].size())
+      fail(p, r, static_cast<int>(next[r]),
+           detail::str("deadlock: rank ", r, " blocks forever on '", to_string(p.ranks[r][next[r]]),
+                       "' in a blocking-receive run"));
+}
+
+}  // namespace zbpipe

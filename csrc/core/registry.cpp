@@ -1,0 +1,67 @@
+// Name -> builder table and the argument checks every builder shares.
+#include <algorithm>
+
+#include "zbpipe/builders.h"
+#include "zbpipe/error.h"
+#include "zbpipe/topology.h"
+
+namespace zbpipe {
+
+const std::vector<ScheduleInfo>& schedule_registry() {
+  static const std::vector<ScheduleInfo> kRegistry = {
+      {"inference", "forward only, 1 stage per rank", build_inference},
+      {"gpipe", "all forwards, then all backwards, 1 stage per rank", build_gpipe},
+      {"1f1b", "one-forward-one-backward, 1 stage per rank", build_1f1b},
+  };
+  return kRegistry;
+}
+
+std::vector<std::string> schedule_names() {
+  std::vector<std::string> names;
+  for (const auto& info : schedule_registry()) names.push_back(info.name);
+  return names;
+}
+
+const ScheduleInfo& find_schedule(const std::string& name) {
+  for (const auto& info : schedule_registry())
+    if (info.name == name) return info;
+  std::string valid;
+  for (const auto& info : schedule_registry()) valid += (valid.empty() ? "" : ", ") + info.name;
+  throw ScheduleError(detail::str("unknown schedule '", name, "' (valid: ", valid, ")"));
+}
+
+void check_basic_args(const std::string& schedule, const BuildArgs& a) {
+  ZB_SCHEDULE_CHECK(a.pp >= 1, schedule, ": pp must be >= 1, got pp=", a.pp);
+  ZB_SCHEDULE_CHECK(a.microbatches >= 1, schedule, ": microbatches must be >= 1, got microbatches=",
+                    a.microbatches);
+  ZB_SCHEDULE_CHECK(a.stages_per_rank >= 0, schedule,
+                    ": stages_per_rank must be >= 1 when given, got stages_per_rank=",
+                    a.stages_per_rank);
+}
+
+int resolve_stages_per_rank(const std::string& schedule, const BuildArgs& a, int fixed, int dflt,
+                            int min_spr) {
+  if (fixed > 0) {
+    ZB_SCHEDULE_CHECK(a.stages_per_rank == 0 || a.stages_per_rank == fixed, schedule,
+                      " fixes stages_per_rank=", fixed, ", got stages_per_rank=", a.stages_per_rank);
+    return fixed;
+  }
+  int spr = a.stages_per_rank == 0 ? dflt : a.stages_per_rank;
+  ZB_SCHEDULE_CHECK(spr >= min_spr, schedule, " needs stages_per_rank >= ", min_spr,
+                    ", got stages_per_rank=", spr);
+  return spr;
+}
+
+Program make_program(const std::string& schedule, const BuildArgs& a, int stages_per_rank,
+                     const std::string& topology) {
+  Program p;
+  p.schedule = schedule;
+  p.pp = a.pp;
+  p.num_stages = a.pp * stages_per_rank;
+  p.microbatches = a.microbatches;
+  p.stage_to_rank = make_topology(topology, a.pp, p.num_stages);
+  p.ranks.assign(a.pp, {});
+  return p;
+}
+
+}  // namespace zbpipe

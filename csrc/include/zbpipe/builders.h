@@ -1,0 +1,59 @@
+// Schedule builders: each emits a compute-only Program (no SEND/RECV) after checking its
+// constraints up front. The registry maps names to builders for compile().
+#pragma once
+
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "zbpipe/cost_model.h"
+#include "zbpipe/program.h"
+
+namespace zbpipe {
+
+struct BuildArgs {
+  int pp = 0;
+  int microbatches = 0;
+  int stages_per_rank = 0;  // 0 = the schedule's default; rejected where the schedule fixes it
+  CostModel costs{};        // used by cost-driven builders (zb_auto); others ignore it
+  int memory_cap = 0;       // activations per rank in microbatches; 0 = the schedule's default
+};
+
+using Builder = std::function<Program(const BuildArgs&)>;
+
+struct ScheduleInfo {
+  std::string name;
+  std::string summary;        // one line for CLI listings
+  Builder build;
+};
+
+// Every builder, in a stable order.
+const std::vector<ScheduleInfo>& schedule_registry();
+std::vector<std::string> schedule_names();
+// Throws ScheduleError listing the valid names when `name` is unknown.
+const ScheduleInfo& find_schedule(const std::string& name);
+
+// Shared helpers for builders.
+// Checks pp >= 1 and microbatches >= 1, naming the schedule.
+void check_basic_args(const std::string& schedule, const BuildArgs& a);
+// Resolves stages_per_rank: `fixed` > 0 means the schedule fixes it (a different explicit
+// value is rejected); otherwise `dflt` is used when 0 and values below `min_spr` are rejected.
+int resolve_stages_per_rank(const std::string& schedule, const BuildArgs& a, int fixed, int dflt,
+                            int min_spr);
+// An empty program with the given topology and sizes.
+Program make_program(const std::string& schedule, const BuildArgs& a, int stages_per_rank,
+                     const std::string& topology);
+
+// The builders (one file each under csrc/core/builders/).
+Program build_inference(const BuildArgs& a);
+Program build_gpipe(const BuildArgs& a);
+Program build_1f1b(const BuildArgs& a);
+Program build_looped_bfs(const BuildArgs& a);
+Program build_interleaved_1f1b(const BuildArgs& a);
+Program build_interleaved_zb(const BuildArgs& a);
+Program build_zb_h1(const BuildArgs& a);
+Program build_zb_h2(const BuildArgs& a);
+Program build_zbv(const BuildArgs& a);
+Program build_dualpipev(const BuildArgs& a);
+
+}  // namespace zbpipe

@@ -1,0 +1,188 @@
+// The one binding file: zbpipe._C. Each subsystem registers itself from here.
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <fstream>
+#include <sstream>
+
+#include "zbpipe/builders.h"
+#include "zbpipe/compile.h"
+#include "zbpipe/csv_format.h"
+#include "zbpipe/error.h"
+#include "zbpipe/passes.h"
+#include "zbpipe/simulator.h"
+
+namespace py = pybind11;
+using namespace zbpipe;
+
+namespace {
+
+CostModel make_costs(std::vector<double> f, std::vector<double> b, std::vector<double> w,
+                     std::vector<double> b_full, double comm) {
+  CostModel c;
+  c.f = std::move(f);
+  c.b = std::move(b);
+  c.w = std::move(w);
+  c.b_full = std::move(b_full);
+  c.comm = comm;
+  return c;
+}
+
+std::vector<std::string> action_strings(const Program& p, int rank, bool compute_only) {
+  ZB_SCHEDULE_CHECK(rank >= 0 && rank < p.pp, "rank must be in [0, ", p.pp, "), got rank=", rank);
+  std::vector<std::string> out;
+  out.reserve(p.ranks[rank].size());
+  for (const auto& a : p.ranks[rank])
+    if (!compute_only || is_compute(a.kind)) out.push_back(to_string(a));
+  return out;
+}
+
+Program program_from_lists(const std::vector<std::vector<std::string>>& ranks,
+                           const std::vector<int>& stage_to_rank, int microbatches,
+                           const std::string& name) {
+  Program p;
+  p.schedule = name;
+  p.pp = static_cast<int>(ranks.size());
+  p.stage_to_rank = stage_to_rank;
+  p.num_stages = static_cast<int>(stage_to_rank.size());
+  p.microbatches = microbatches;
+  for (const auto& row : ranks) {
+    std::vector<Action> acts;
+    for (const auto& s : row) acts.push_back(parse_action(s));
+    p.ranks.push_back(std::move(acts));
+  }
+  if (p.has_comms()) {
+    validate(p);
+    return p;
+  }
+  return lower(p);
+}
+
+void register_errors(py::module_& m) {
+  py::register_exception<ScheduleError>(m, "ScheduleError", PyExc_ValueError);
+}
+
+void register_core(py::module_& m) {
+  py::enum_<Kind>(m, "Kind")
+      .value("F", Kind::F).value("B", Kind::B).value("I", Kind::I).value("W", Kind::W)
+      .value("SEND_F", Kind::SEND_F).value("RECV_F", Kind::RECV_F)
+      .value("SEND_B", Kind::SEND_B).value("RECV_B", Kind::RECV_B)
+      .value("OVERLAP_F_B", Kind::OVERLAP_F_B);
+
+  py::class_<Action>(m, "Action", "One schedule action; str() is PyTorch's canonical form.")
+      .def_static("parse", [](const std::string& s) { return parse_action(s); })
+      .def_readonly("stage", &Action::stage)
+      .def_readonly("kind", &Action::kind)
+      .def_readonly("microbatch", &Action::microbatch)
+      .def_readonly("sub_actions", &Action::sub)
+      .def_property_readonly("is_compute", [](const Action& a) { return is_compute(a.kind); })
+      .def("__str__", [](const Action& a) { return to_string(a); })
+      .def("__repr__", [](const Action& a) { return to_string(a); })
+      .def("__eq__", [](const Action& a, const Action& b) { return a == b; })
+      .def("__hash__", [](const Action& a) { return std::hash<std::string>()(to_string(a)); });
+
+  py::class_<Program>(m, "Program", "A compiled pipeline program: topology + per-rank actions.")
+      .def_readonly("schedule", &Program::schedule)
+      .def_readonly("pp", &Program::pp)
+      .def_readonly("num_stages", &Program::num_stages)
+      .def_readonly("microbatches", &Program::microbatches)
+      .def_readonly("stage_to_rank", &Program::stage_to_rank)
+      .def("stages_of", &Program::stages_of, py::arg("rank"))
+      .def("actions", [](const Program& p, int r) { return action_strings(p, r, false); }, py::arg("rank"),
+           "Actions of `rank` with communication, as canonical strings.")
+      .def("compute_actions", [](const Program& p, int r) { return action_strings(p, r, true); },
+           py::arg("rank"), "Compute actions of `rank` only.")
+      .def("rank_actions", [](const Program& p, int r) {
+             ZB_SCHEDULE_CHECK(r >= 0 && r < p.pp, "rank must be in [0, ", p.pp, "), got rank=", r);
+             return p.ranks[r];
+           }, py::arg("rank"), "Actions of `rank` as Action values.")
+      .def("format", [](const Program& p, int mark_rank, int mark_index) {
+             return format_program(p, mark_rank, mark_index);
+           }, py::arg("mark_rank") = -1, py::arg("mark_index") = -1)
+      .def("csv", [](const Program& p) { return to_csv(p); }, "The program in PyTorch's CSV layout.")
+      .def("to_csv", [](const Program& p, const std::string& path) {
+             std::ofstream f(path, std::ios::binary);
+             ZB_CHECK(f.good(), "cannot open '", path, "' for writing");
+             f << to_csv(p);
+           }, py::arg("path"), "Writes the program in PyTorch's CSV layout (one row per rank).")
+      .def_static("from_csv", [](const std::string& path) {
+             std::ifstream f(path, std::ios::binary);
+             ZB_SCHEDULE_CHECK(f.good(), "cannot open CSV schedule '", path, "'");
+             std::stringstream ss;
+             ss << f.rdbuf();
+             return from_csv(ss.str());
+           }, py::arg("path"), "Loads a PyTorch CSV schedule (compute-only is lowered), validated.")
+      .def_static("from_csv_text", &from_csv, py::arg("text"))
+      .def_static("from_actions", &program_from_lists, py::arg("ranks"), py::arg("stage_to_rank"),
+                  py::arg("microbatches"), py::arg("name") = "custom",
+                  "Builds a program from per-rank action strings (lowered if compute-only), validated.")
+      .def("compute_only", &strip_comms)
+      .def("__repr__", [](const Program& p) {
+        return detail::str("Program(schedule='", p.schedule, "', pp=", p.pp, ", num_stages=",
+                           p.num_stages, ", microbatches=", p.microbatches, ")");
+      });
+
+  m.def("schedule_names", &schedule_names, "Every schedule the core can build.");
+  m.def("schedule_summaries", [] {
+    std::vector<std::pair<std::string, std::string>> out;
+    for (const auto& info : schedule_registry()) out.emplace_back(info.name, info.summary);
+    return out;
+  });
+  m.def("compile", [](const std::string& name, int pp, int microbatches, int stages_per_rank,
+                      std::vector<double> f, std::vector<double> b, std::vector<double> w,
+                      std::vector<double> b_full, double comm, int memory_cap) {
+          BuildArgs args;
+          args.pp = pp;
+          args.microbatches = microbatches;
+          args.stages_per_rank = stages_per_rank;
+          args.costs = make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm);
+          args.memory_cap = memory_cap;
+          py::gil_scoped_release nogil;
+          return compile(name, args);
+        }, py::arg("name"), py::arg("pp"), py::arg("microbatches"), py::arg("stages_per_rank") = 0,
+        py::arg("f") = std::vector<double>{1.0}, py::arg("b") = std::vector<double>{1.0},
+        py::arg("w") = std::vector<double>{1.0}, py::arg("b_full") = std::vector<double>{},
+        py::arg("comm") = 0.0, py::arg("memory_cap") = 0);
+  m.def("build", [](const std::string& name, int pp, int microbatches, int stages_per_rank) {
+          BuildArgs args;
+          args.pp = pp;
+          args.microbatches = microbatches;
+          args.stages_per_rank = stages_per_rank;
+          return find_schedule(name).build(args);
+        }, py::arg("name"), py::arg("pp"), py::arg("microbatches"), py::arg("stages_per_rank") = 0,
+        "Runs only the builder: the compute-only program, not lowered or validated.");
+  m.def("validate", &validate, py::arg("program"));
+  m.def("insert_send_recv", &insert_send_recv, py::arg("program"));
+
+  py::class_<TimelineEvent>(m, "TimelineEvent")
+      .def_readonly("rank", &TimelineEvent::rank)
+      .def_readonly("action", &TimelineEvent::action)
+      .def_readonly("start", &TimelineEvent::start)
+      .def_readonly("end", &TimelineEvent::end)
+      .def("__repr__", [](const TimelineEvent& e) {
+        return detail::str("TimelineEvent(rank=", e.rank, ", action=", to_string(e.action),
+                           ", start=", e.start, ", end=", e.end, ")");
+      });
+  py::class_<SimResult>(m, "SimResult")
+      .def_readonly("makespan", &SimResult::makespan)
+      .def_readonly("bubble_rate", &SimResult::bubble_rate)
+      .def_readonly("busy", &SimResult::busy)
+      .def_readonly("peak_activations", &SimResult::peak_activations)
+      .def_readonly("timeline", &SimResult::timeline)
+      .def("__repr__", [](const SimResult& r) {
+        return detail::str("SimResult(makespan=", r.makespan, ", bubble_rate=", r.bubble_rate, ")");
+      });
+  m.def("simulate", [](const Program& p, std::vector<double> f, std::vector<double> b,
+                       std::vector<double> w, std::vector<double> b_full, double comm) {
+          return simulate(p, make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm));
+        }, py::arg("program"), py::arg("f"), py::arg("b"), py::arg("w"),
+        py::arg("b_full") = std::vector<double>{}, py::arg("comm") = 0.0);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_C, m) {
+  m.doc() = "zbpipe compiled core: schedule IR, builders, passes, simulator";
+  register_errors(m);
+  register_core(m);
+}
