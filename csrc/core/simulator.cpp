@@ -54,7 +54,7 @@ SimResult simulate(const Program& p, const CostModel& costs) {
   SimResult res;
   res.busy.assign(p.pp, 0.0);
   res.peak_activations.assign(p.pp, 0);
-  std::vector<double> clock(p.pp, 0.0);
+  std::vector<double> clock(p.pp, 0.0), first_start(p.pp, -1.0);
   std::vector<int> live(p.pp, 0);
   std::vector<size_t> next(p.pp, 0);
   std::vector<std::vector<TimelineEvent>> per_rank(p.pp);
@@ -82,6 +82,7 @@ SimResult simulate(const Program& p, const CostModel& costs) {
           if (s->kind == Kind::F) res.peak_activations[r] = std::max(res.peak_activations[r], ++live[r]);
           if (s->kind == Kind::B || s->kind == Kind::W) --live[r];
         }
+        if (first_start[r] < 0.0) first_start[r] = start;
         clock[r] = finish;
         res.busy[r] += duration;
         per_rank[r].push_back({r, a, start, finish});
@@ -95,13 +96,17 @@ SimResult simulate(const Program& p, const CostModel& costs) {
       throw ScheduleError(detail::str("simulate: program '", p.schedule, "' deadlocks at rank ", r,
                                       " on '", to_string(p.ranks[r][next[r]]), "'\n",
                                       format_program(p, r, static_cast<int>(next[r]))));
-  double total_busy = 0.0;
+  double total_busy = 0.0, max_span = 0.0;
+  res.span.assign(p.pp, 0.0);
   for (int r = 0; r < p.pp; ++r) {
     res.makespan = std::max(res.makespan, clock[r]);
+    res.span[r] = first_start[r] < 0.0 ? 0.0 : clock[r] - first_start[r];
+    max_span = std::max(max_span, res.span[r]);
     total_busy += res.busy[r];
     for (auto& ev : per_rank[r]) res.timeline.push_back(std::move(ev));
   }
-  res.bubble_rate = res.makespan > 0.0 ? 1.0 - total_busy / (p.pp * res.makespan) : 0.0;
+  res.bubble_rate = max_span > 0.0 ? 1.0 - total_busy / (p.pp * max_span) : 0.0;
+  res.idle_rate = res.makespan > 0.0 ? 1.0 - total_busy / (p.pp * res.makespan) : 0.0;
   return res;
 }
 

@@ -166,7 +166,9 @@ void register_core(py::module_& m) {
   py::class_<SimResult>(m, "SimResult")
       .def_readonly("makespan", &SimResult::makespan)
       .def_readonly("bubble_rate", &SimResult::bubble_rate)
+      .def_readonly("idle_rate", &SimResult::idle_rate)
       .def_readonly("busy", &SimResult::busy)
+      .def_readonly("span", &SimResult::span)
       .def_readonly("peak_activations", &SimResult::peak_activations)
       .def_readonly("timeline", &SimResult::timeline)
       .def("__repr__", [](const SimResult& r) {

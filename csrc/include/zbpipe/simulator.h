@@ -6,6 +6,13 @@
 // overlaps them). Activations: one unit per (stage, microbatch) from the start of its F until
 // the end of its last backward action (B, or W when split). Not modelled: bandwidth contention,
 // stream overlap inside OVERLAP_F_B (its cost is F + B), optimizer step, memory of weights.
+//
+// Bubble rate follows the Zero Bubble paper (Qi et al. 2023, section 2): a rank's time is its
+// span, from its first compute start to its last compute end, and the bubble rate is
+// 1 - sum(busy) / (pp * longest span). The warm-up offset of later ranks is not counted (the
+// paper's optimizer post-validation removes the step-wide sync that would expose it). For 1F1B
+// rank 0's span is the makespan, so this equals the classic (p-1)/(m+p-1) at equal costs.
+// idle_rate is the stricter 1 - sum(busy) / (pp * makespan).
 #pragma once
 
 #include <string>
@@ -25,8 +32,10 @@ struct TimelineEvent {
 
 struct SimResult {
   double makespan = 0.0;
-  double bubble_rate = 0.0;               // idle share of pp * makespan
+  double bubble_rate = 0.0;               // 1 - sum(busy) / (pp * max span), the paper's
+  double idle_rate = 0.0;                 // 1 - sum(busy) / (pp * makespan)
   std::vector<double> busy;               // compute time per rank
+  std::vector<double> span;               // per rank: last compute end - first compute start
   std::vector<int> peak_activations;      // per rank, in microbatches
   std::vector<TimelineEvent> timeline;    // compute actions, sorted by (rank, start)
 };
