@@ -44,7 +44,7 @@ def mutate(rank, fn):
         (mutate(1, lambda r: ["1F0" if a == "1RECV_F0" else "1RECV_F0" if a == "1F0" else a for a in r]),
          "no RECV_F before it"),
         (mutate(1, lambda r: ["1RECV_F1", "1RECV_F0"] + [a for a in r if "RECV_F" not in a]),
-         "does not match the receive in that order"),
+         "does not match the send in that order"),
         (mutate(0, lambda r: r + ["1F5"]), "out of range"),
     ],
 )
