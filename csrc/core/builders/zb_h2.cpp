@@ -5,7 +5,7 @@
 // Rank r (of p) for m >= 2p-1 microbatches, slots of one unit at equal F/I/W costs:
 //   Phase 1  2p-1-2r forwards (rank 0 holds 2p-1 microbatches: the peak)
 //   Phase 2  I, then p-1 times: X, I   where X = F for the first r, else W
-//   Phase 3  m-2p+1 times: F, W, I
+//   Phase 3  m-2p+1 times: W, F, I
 //   Phase 4  p-1 times: X, I           where X = F for the first r, else W
 //   Phase 5  the 2r+1 W's still pending
 // Every rank runs its I_k exactly one unit after rank r+1 does (the I slots sit at the same
@@ -49,8 +49,8 @@ Program build_zb_h2(const BuildArgs& a) {
     }
     // Phase 3: steady state.
     for (int k = 0; k < full - 2 * pp + 1; ++k) {
+      W();  // before F: the W frees an activation before the F takes one
       F();
-      W();
       I();
     }
     // Phase 4: the last forwards, between the last I's.
