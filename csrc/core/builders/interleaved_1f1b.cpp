@@ -16,6 +16,9 @@ namespace zbpipe {
 Program build_interleaved_1f1b(const BuildArgs& a) {
   check_basic_args("interleaved_1f1b", a);
   const int v = resolve_stages_per_rank("interleaved_1f1b", a, 0, 2, 2);
+  // PyTorch's rule, kept on purpose: forwards and backwards walk the local stages in blocks of
+  // m / rounds microbatches, so a remainder would give some stage more than m forwards. Lifting
+  // it needs a different block layout, and so a different order from PyTorch's.
   const int rounds = std::max(1, a.microbatches / a.pp);
   ZB_SCHEDULE_CHECK(a.microbatches % rounds == 0, "interleaved_1f1b needs microbatches to be a "
                     "multiple of the rounds max(1, microbatches / pp) = ", rounds,

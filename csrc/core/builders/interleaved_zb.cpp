@@ -17,6 +17,9 @@ namespace zbpipe {
 Program build_interleaved_zb(const BuildArgs& a) {
   check_basic_args("interleaved_zb", a);
   const int v = resolve_stages_per_rank("interleaved_zb", a, 0, 2, 2);
+  // PyTorch's rule, kept on purpose: forwards and backwards walk the local stages in blocks of
+  // m / rounds microbatches, so a remainder would give some stage more than m forwards. Lifting
+  // it needs a different block layout, and so a different order from PyTorch's.
   const int rounds = std::max(1, a.microbatches / a.pp);
   ZB_SCHEDULE_CHECK(a.microbatches % rounds == 0, "interleaved_zb needs microbatches to be a "
                     "multiple of the rounds max(1, microbatches / pp) = ", rounds,
