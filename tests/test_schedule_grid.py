@@ -78,12 +78,6 @@ def topology(style, pp, n_stages):
             for s in range(n_stages)]
 
 
-def compiled(name, rule, pp, m, spr):
-    if rule.forward_only:  # compile() rejects it today, see test_forward_only_compiles
-        return zbpipe._C.insert_send_recv(zbpipe._C.build(name, pp, m, spr or 0))
-    return zbpipe.compile(name, pp, m, spr)
-
-
 def test_every_schedule_has_a_rule():
     missing = [n for n in NAMES if n not in RULES]
     assert not missing, f"schedules without a rule in RULES: {missing}"
@@ -95,7 +89,7 @@ def test_legal_sizes_build_valid_programs(name, pp):
     rule = rule_of(name)
     for spr in rule.spr_values():
         for m in rule.microbatch_counts(pp):
-            prog = compiled(name, rule, pp, m, spr)
+            prog = zbpipe.compile(name, pp, m, spr)
             where = f"{name} pp={pp} microbatches={m} stages_per_rank={spr}"
             n_stages = pp * rule.spr(spr)
             assert (prog.pp, prog.num_stages, prog.microbatches) == (pp, n_stages, m), where
@@ -109,11 +103,14 @@ def test_legal_sizes_build_valid_programs(name, pp):
                 [str(a) for a in raw.rank_actions(r)] for r in range(pp)], where
 
 
-@pytest.mark.xfail(strict=True, reason="validate() requires a backward for every (stage, mb), "
-                   "so compile('inference') always fails; remove this mark once it accepts "
-                   "forward-only programs")
 def test_forward_only_compiles():
-    zbpipe.compile("inference", pp=2, microbatches=2)
+    prog = zbpipe.compile("inference", pp=3, microbatches=2)
+    assert prog.actions(1) == ["1RECV_F0", "1F0", "1SEND_F0", "1RECV_F1", "1F1", "1SEND_F1"]
+    res = zbpipe.simulate(prog, f=1.0)
+    assert res.makespan == pytest.approx(4.0)  # m + p - 1 forwards
+    # A forward-only program that drops a forward is still rejected.
+    with pytest.raises(zbpipe.ScheduleError, match="never runs F"):
+        zbpipe.Program.from_actions([["0F0", "0SEND_F0"], ["1RECV_F0", "1F0", "1F1"]], [0, 1], 2)
 
 
 def illegal_cases(name, rule):

@@ -75,6 +75,12 @@ void validate(const Program& p) {
   // Position (1-based, 0 = absent) of each compute / comm action on its rank.
   ActionTable<int32_t> pos(p.num_stages, p.microbatches, 0);
   const bool comms = p.has_comms();
+  // A program with no backward action at all is an inference program: F once per (stage, mb).
+  bool forward_only = true;
+  for (const auto& acts : p.ranks)
+    for (const Action& a : acts)
+      for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
+        if (s->kind == Kind::B || s->kind == Kind::I || s->kind == Kind::W) forward_only = false;
 
   // 1. Placement, ranges, exactly-once.
   for (int r = 0; r < p.pp; ++r) {
@@ -103,6 +109,7 @@ void validate(const Program& p) {
       auto id = [&] { return detail::str("stage ", s, " microbatch ", mb); };
       if (!pos.at(s, Kind::F, mb)) fail(p, r, -1, id() + " never runs F");
       bool full = pos.at(s, Kind::B, mb), in = pos.at(s, Kind::I, mb), wt = pos.at(s, Kind::W, mb);
+      if (forward_only) continue;
       if (full && (in || wt)) fail(p, r, -1, id() + " runs both B and I/W");
       if (!full && !(in && wt))
         fail(p, r, -1, id() + " needs B, or I and W (has I=" + std::to_string(in) + ", W=" +
@@ -119,23 +126,26 @@ void validate(const Program& p) {
     const int r = p.rank_of(s);
     for (int mb = 0; mb < p.microbatches; ++mb) {
       const int f = pos.at(s, Kind::F, mb), b = bw(s, mb), w = pos.at(s, Kind::W, mb);
-      if (b <= f) fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb, " before its F"));
-      if (w && w <= b) fail(p, r, w - 1, detail::str("W of stage ", s, " mb ", mb, " before its I"));
       if (s > 0 && p.rank_of(s - 1) == r && pos.at(s - 1, Kind::F, mb) >= f)
         fail(p, r, f - 1, detail::str("F of stage ", s, " mb ", mb, " before F of stage ", s - 1));
+      if (comms && s > 0 && p.rank_of(s - 1) != r) {
+        int rv = pos.at(s, Kind::RECV_F, mb);
+        if (!rv || rv > f) fail(p, r, f - 1, detail::str("F of stage ", s, " mb ", mb, " has no RECV_F before it"));
+      }
+      if (comms && s < last && p.rank_of(s + 1) != r) {
+        int sd = pos.at(s, Kind::SEND_F, mb);
+        if (!sd || sd < f) fail(p, r, f - 1, detail::str("F of stage ", s, " mb ", mb, " has no SEND_F after it"));
+      }
+      if (forward_only) continue;
+      if (b <= f) fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb, " before its F"));
+      if (w && w <= b) fail(p, r, w - 1, detail::str("W of stage ", s, " mb ", mb, " before its I"));
       if (s < last && p.rank_of(s + 1) == r && bw(s + 1, mb) >= b)
         fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb,
                                       " before the backward of stage ", s + 1));
       if (!comms) continue;
-      if (s > 0 && p.rank_of(s - 1) != r) {
-        int rv = pos.at(s, Kind::RECV_F, mb);
-        if (!rv || rv > f) fail(p, r, f - 1, detail::str("F of stage ", s, " mb ", mb, " has no RECV_F before it"));
-      }
       if (s < last && p.rank_of(s + 1) != r) {
         int rv = pos.at(s, Kind::RECV_B, mb);
         if (!rv || rv > b) fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb, " has no RECV_B before it"));
-        int sd = pos.at(s, Kind::SEND_F, mb);
-        if (!sd || sd < f) fail(p, r, f - 1, detail::str("F of stage ", s, " mb ", mb, " has no SEND_F after it"));
       }
       if (s > 0 && p.rank_of(s - 1) != r) {
         int sd = pos.at(s, Kind::SEND_B, mb);
