@@ -12,6 +12,9 @@ const std::vector<ScheduleInfo>& schedule_registry() {
       {"inference", "forward only, 1 stage per rank", build_inference},
       {"gpipe", "all forwards, then all backwards, 1 stage per rank", build_gpipe},
       {"1f1b", "one-forward-one-backward, 1 stage per rank", build_1f1b},
+      {"zb_auto", "Zero Bubble automatic: greedy search under costs and a memory cap, 1 stage per rank", build_zb_auto},
+      {"v_half", "V-Half: V shape, 2 stages per rank, ~1/2 of 1F1B's activations", build_v_half},
+      {"v_min", "V-Min: V shape, 2 stages per rank, ~1/3 of 1F1B's activations", build_v_min},
   };
   return kRegistry;
 }

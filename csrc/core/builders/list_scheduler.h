@@ -1,0 +1,58 @@
+// Greedy list scheduler shared by the cost-driven builders (zb_auto, v_half, v_min): it plays
+// the pipeline forward in time under the simulator's cost model and, whenever a rank is free,
+// picks its next F / I / W by a small policy, never exceeding a per-rank activation cap.
+#pragma once
+
+#include <limits>
+#include <vector>
+
+#include <string>
+
+#include "zbpipe/builders.h"
+#include "zbpipe/cost_model.h"
+#include "zbpipe/program.h"
+
+namespace zbpipe::detail {
+
+// The hyper-parameters of the Zero Bubble paper's heuristic (Qi et al. 2023, section 3.1),
+// one value each; search_list_schedules() tries a small grid of them.
+struct ListPolicy {
+  enum class Order { kBackwardFirst, kForwardFirst, kAlternate };
+  // When both an I and an F are ready: which goes first (kAlternate: not the kind run last).
+  Order order = Order::kBackwardFirst;
+  // An idle gap is filled with a W when gap >= fill_ratio * T_W; a negative value never fills
+  // (W then runs only to free memory, or once the rank has nothing else left).
+  double fill_ratio = 1.0;
+  // The paper's binary warm-up knob: do not start an F that would delay a backward whose input
+  // arrives before that F could end; idle (or fill with a W) instead.
+  bool avoid_delaying_backward = false;
+  // With several stages per rank: among ready forwards prefer the later stage (depth first).
+  bool deep_first = true;
+};
+
+// Activation accounting is the simulator's: one unit per (stage, microbatch) from F start to
+// W end. A microbatch entering a rank reserves one unit for every stage it will run there, so a
+// full rank can always finish the microbatches it holds (no memory deadlock); cap[r] >= stages
+// per rank is required. warmup[r] additionally bounds the units held before the rank's first
+// backward (the warm-up depth). Fills `p.ranks` (compute-only, I/W split); `p` comes with its
+// topology and empty rank lists.
+void list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
+                   const std::vector<int>& warmup, const ListPolicy& policy);
+
+// Runs list_schedule for every policy in the grid and every warm-up vector given, scores each
+// candidate with zbpipe::simulate, and returns the one with the lowest makespan (ties: lower
+// bubble rate, then lower total peak activations).
+Program search_list_schedules(const Program& shell, const CostModel& costs,
+                              const std::vector<int>& cap,
+                              const std::vector<std::vector<int>>& warmups);
+
+}  // namespace zbpipe::detail
+
+namespace zbpipe::detail {
+
+// The memory-controlled V schedules (v_half, v_min): V topology, 2 stages per rank, I/W split,
+// every rank capped at `cap_units` (stage, microbatch) units, built by search_list_schedules
+// under the request's costs. Rejects a memory_cap other than 0 or cap_units.
+Program build_capped_v(const std::string& name, const BuildArgs& a, int cap_units);
+
+}  // namespace zbpipe::detail

@@ -1,0 +1,40 @@
+// zb_auto: the Zero Bubble paper's automatic scheduling (Qi et al. 2023, section 3.1) without
+// the ILP refinement. Given per-stage T_F, T_B (= I), T_W, T_comm and a per-rank activation cap
+// M_limit (in microbatches; default p, 1F1B's peak), a greedy list scheduler builds one
+// candidate per hyper-parameter setting and the simulator keeps the shortest:
+//   - warm-up depth: the units a rank may hold before its first I: M_limit, 1F1B's p-r, or
+//     ZB-H2's 2(p-r)-1 (each clipped to M_limit);
+//   - when a rank idles, fill the gap with a W if gap >= k * T_W, k in {0, 1, never};
+//   - whether an F may delay a backward that is about to become ready (the paper's binary knob);
+//   - I-first, F-first or alternating when both are ready.
+// One stage per rank, I/W split. Peak activations never exceed M_limit on any rank.
+#include <algorithm>
+
+#include "list_scheduler.h"
+#include "zbpipe/builders.h"
+#include "zbpipe/error.h"
+
+namespace zbpipe {
+
+Program build_zb_auto(const BuildArgs& a) {
+  check_basic_args("zb_auto", a);
+  const int spr = resolve_stages_per_rank("zb_auto", a, 1, 1, 1);
+  ZB_SCHEDULE_CHECK(a.memory_cap >= 0, "zb_auto: memory_cap must be >= 1 microbatch (0 = pp), got memory_cap=",
+                    a.memory_cap);
+  Program p = make_program("zb_auto", a, spr, "loop");
+  a.costs.check(p.num_stages);
+  const int cap = a.memory_cap == 0 ? a.pp : a.memory_cap;
+  std::vector<std::vector<int>> warmups(3, std::vector<int>(a.pp));
+  for (int r = 0; r < a.pp; ++r) {
+    warmups[0][r] = cap;
+    warmups[1][r] = std::min(cap, a.pp - r);
+    warmups[2][r] = std::min(cap, 2 * (a.pp - r) - 1);
+  }
+  std::sort(warmups.begin(), warmups.end());
+  warmups.erase(std::unique(warmups.begin(), warmups.end()), warmups.end());
+  Program best = detail::search_list_schedules(p, a.costs, std::vector<int>(a.pp, cap), warmups);
+  best.schedule = "zb_auto";
+  return best;
+}
+
+}  // namespace zbpipe
