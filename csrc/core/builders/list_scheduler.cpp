@@ -166,6 +166,8 @@ class ListScheduler {
     auto fill_fits = [&](double gap) {
       return has_w && pol_.fill_ratio >= 0.0 && gap + kEps >= pol_.fill_ratio * tw;
     };
+    // A forward waits only for memory: free it before anything else (1F1B's B = I + W).
+    if (pol_.recycle_first && has_w && held <= t + kEps) return run_w(r);
     if (f_now && b_now) {
       switch (pol_.order) {
         case ListPolicy::Order::kBackwardFirst: return run_now(b, t);
@@ -251,10 +253,11 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
     for (Order order : {Order::kBackwardFirst, Order::kForwardFirst, Order::kAlternate})
       for (double fill : {0.0, 1.0, -1.0})
         for (bool avoid : {false, true})
+          for (bool recycle : {false, true})
           for (bool deep : {true, false}) {
             if (!deep && !multi) continue;  // the knob only matters with several stages per rank
             Program cand = shell;
-            list_schedule(cand, costs, cap, warmup, {order, fill, avoid, deep});
+            list_schedule(cand, costs, cap, warmup, {order, fill, avoid, recycle, deep});
             const SimResult res = simulate(cand, costs);
             long mem = 0;
             for (int r = 0; r < cand.pp; ++r) {

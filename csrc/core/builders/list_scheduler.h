@@ -26,6 +26,9 @@ struct ListPolicy {
   // The paper's binary warm-up knob: do not start an F that would delay a backward whose input
   // arrives before that F could end; idle (or fill with a W) instead.
   bool avoid_delaying_backward = false;
+  // When a forward is held back only by the memory cap, run a W first even if an I is ready
+  // (I frees nothing; with this, a full rank behaves like 1F1B, whose B is I + W).
+  bool recycle_first = false;
   // With several stages per rank: among ready forwards prefer the later stage (depth first).
   bool deep_first = true;
 };
