@@ -187,7 +187,10 @@ class ListScheduler {
     if (held <= t + kEps && has_w) return run_w(r);  // recycle memory for a waiting forward
     // Wake up when an input lands, or when a held-back forward could run after a W.
     const double next = std::min({f.ready, b.ready, has_w ? held : kNever});
-    if (fill_fits(next - t)) return run_w(r);
+    // Stage 0's backward feeds no one: delaying it behind a W costs only this rank's own time,
+    // which the W uses, so any gap before it is worth filling.
+    const bool harmless = b.valid() && b.stage == 0 && b.ready <= f.ready;
+    if (fill_fits(harmless ? kNever : next - t)) return run_w(r);
     return {false, {}, next};
   }
 
@@ -241,36 +244,74 @@ void list_schedule(Program& p, const CostModel& costs, const std::vector<int>& c
   ListScheduler(p, costs, cap, warmup, policy).run();
 }
 
+namespace {
+
+// One scored candidate. Bubble rate is monotone in the longest span (total work is fixed), so
+// spans are compared; rounding keeps float noise from choosing between equal schedules.
+struct Scored {
+  Program program;
+  double makespan, max_span, bubble;
+  long memory;  // sum of per-rank peaks
+};
+
+double round9(double x) { return std::round(x * 1e9) / 1e9; }
+
+// How much worse than `ref` a candidate is on its worse metric (1 = no worse on either).
+double regret(const Scored& c, const Scored& ref) {
+  auto ratio = [](double x, double y) { return y > 0.0 ? x / y : (x > 0.0 ? kNever : 1.0); };
+  return std::max(ratio(c.makespan, ref.makespan), ratio(c.max_span, ref.max_span));
+}
+
+}  // namespace
+
 Program search_list_schedules(const Program& shell, const CostModel& costs,
                               const std::vector<int>& cap,
-                              const std::vector<std::vector<int>>& warmups) {
+                              const std::vector<std::vector<int>>& warmups,
+                              const std::vector<Seed>& seeds) {
   costs.check(shell.num_stages);
   using Order = ListPolicy::Order;
+  std::vector<Scored> cands, refs;
+  auto score = [&](Program prog, bool is_seed, bool is_ref) {
+    const SimResult res = simulate(prog, costs);
+    long mem = 0;
+    for (int r = 0; r < prog.pp; ++r) {
+      if (res.peak_activations[r] > cap[r]) {
+        ZB_CHECK(is_seed, "list scheduler broke the memory cap on rank ", r, ": ",
+                 res.peak_activations[r], " > ", cap[r]);
+        return;  // a seed that does not fit the cap is no reference
+      }
+      mem += res.peak_activations[r];
+    }
+    double span = *std::max_element(res.span.begin(), res.span.end());
+    Scored sc{std::move(prog), round9(res.makespan), round9(span), round9(res.bubble_rate), mem};
+    if (is_ref) refs.push_back(sc);
+    cands.push_back(std::move(sc));
+  };
+  for (const Seed& seed : seeds) score(seed.program, true, seed.reference);
   const bool multi = shell.num_stages > shell.pp;
-  Program best;
-  std::tuple<double, double, long> best_score{kNever, kNever, 0};
   for (const auto& warmup : warmups)
     for (Order order : {Order::kBackwardFirst, Order::kForwardFirst, Order::kAlternate})
-      for (double fill : {0.0, 1.0, -1.0})
+      for (double fill : {0.0, 0.5, 1.0, -1.0})
         for (bool avoid : {false, true})
           for (bool recycle : {false, true})
-          for (bool deep : {true, false}) {
-            if (!deep && !multi) continue;  // the knob only matters with several stages per rank
-            Program cand = shell;
-            list_schedule(cand, costs, cap, warmup, {order, fill, avoid, recycle, deep});
-            const SimResult res = simulate(cand, costs);
-            long mem = 0;
-            for (int r = 0; r < cand.pp; ++r) {
-              ZB_CHECK(res.peak_activations[r] <= cap[r], "list scheduler broke the memory cap on rank ",
-                       r, ": ", res.peak_activations[r], " > ", cap[r]);
-              mem += res.peak_activations[r];
+            for (bool deep : {true, false}) {
+              if (!deep && !multi) continue;  // the knob only matters with several stages per rank
+              Program cand = shell;
+              list_schedule(cand, costs, cap, warmup, {order, fill, avoid, recycle, deep});
+              score(std::move(cand), false, false);
             }
-            // Round so that float noise does not pick between equal schedules.
-            auto q = [](double x) { return std::round(x * 1e9) / 1e9; };
-            std::tuple<double, double, long> score{q(res.makespan), q(res.bubble_rate), mem};
-            if (score < best_score) best_score = score, best = std::move(cand);
-          }
-  return best;
+  ZB_CHECK(!cands.empty(), "no candidate schedule for '", shell.schedule, "'");
+  // Lowest worst-case regret against the seeds first (every candidate that matches or beats all
+  // of them ties at 1), then makespan, bubble, memory.
+  auto key = [&](const Scored& c) {
+    double worst = 1.0;
+    for (const auto& ref : refs) worst = std::max(worst, round9(regret(c, ref)));
+    return std::make_tuple(worst, c.makespan, c.bubble, c.memory);
+  };
+  size_t best = 0;
+  for (size_t i = 1; i < cands.size(); ++i)
+    if (key(cands[i]) < key(cands[best])) best = i;
+  return std::move(cands[best].program);
 }
 
 }  // namespace zbpipe::detail
@@ -286,7 +327,7 @@ Program build_capped_v(const std::string& name, const BuildArgs& a, int cap_unit
   Program p = make_program(name, a, spr, "v");
   a.costs.check(p.num_stages);
   const std::vector<int> cap(a.pp, cap_units);
-  Program best = search_list_schedules(p, a.costs, cap, {cap});
+  Program best = search_list_schedules(p, a.costs, cap, {cap}, {});
   best.schedule = name;
   return best;
 }

@@ -42,12 +42,24 @@ struct ListPolicy {
 void list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
                    const std::vector<int>& warmup, const ListPolicy& policy);
 
+// A fixed schedule's compute-only program offered to the search; a reference is one the pick
+// must match or beat (when some candidate does).
+struct Seed {
+  Program program;
+  bool reference = false;
+};
+
 // Runs list_schedule for every policy in the grid and every warm-up vector given, scores each
-// candidate with zbpipe::simulate, and returns the one with the lowest makespan (ties: lower
-// bubble rate, then lower total peak activations).
+// candidate with zbpipe::simulate and returns the best. `seeds` (on the same topology) are
+// candidates too when they fit the cap, and so are references then: candidates are ranked by
+// their worst ratio to any fitting reference on makespan or longest span
+// (anything matching or beating every reference ties at 1), then by makespan, bubble rate and
+// total peak activations. Makespan and span can disagree (a schedule may end later on the last
+// rank yet keep every rank's span shorter), which is why both are compared.
 Program search_list_schedules(const Program& shell, const CostModel& costs,
                               const std::vector<int>& cap,
-                              const std::vector<std::vector<int>>& warmups);
+                              const std::vector<std::vector<int>>& warmups,
+                              const std::vector<Seed>& seeds);
 
 }  // namespace zbpipe::detail
 

@@ -1,13 +1,16 @@
 // zb_auto: the Zero Bubble paper's automatic scheduling (Qi et al. 2023, section 3.1) without
 // the ILP refinement. Given per-stage T_F, T_B (= I), T_W, T_comm and a per-rank activation cap
 // M_limit (in microbatches; default p, 1F1B's peak), a greedy list scheduler builds one
-// candidate per hyper-parameter setting and the simulator keeps the shortest:
+// candidate per hyper-parameter setting and the simulator picks among them:
 //   - warm-up depth: the units a rank may hold before its first I: M_limit, 1F1B's p-r, or
 //     ZB-H2's 2(p-r)-1 (each clipped to M_limit);
-//   - when a rank idles, fill the gap with a W if gap >= k * T_W, k in {0, 1, never};
+//   - when a rank idles, fill the gap with a W if gap >= k * T_W, k in {0, 1/2, 1, never};
 //   - whether an F may delay a backward that is about to become ready (the paper's binary knob);
-//   - I-first, F-first or alternating when both are ready.
-// One stage per rank, I/W split. Peak activations never exceed M_limit on any rank.
+//   - I-first, F-first or alternating when both are ready; W before I when memory-bound.
+// The hand-made ZB-H1, ZB-H2 and 1F1B (B split into I + W) orders join the pool when they fit
+// the cap, and the pick matches or beats ZB-H1 and ZB-H2 on both makespan and bubble whenever
+// some candidate does (see search_list_schedules). One stage per rank, I/W split.
+// Peak activations never exceed M_limit on any rank.
 #include <algorithm>
 
 #include "list_scheduler.h"
@@ -16,10 +19,49 @@
 
 namespace zbpipe {
 
+namespace {
+
+// 1F1B's order with each B as I then W: the same timing, in zb_auto's I/W vocabulary.
+Program split_backwards(Program p) {
+  for (auto& acts : p.ranks) {
+    std::vector<Action> out;
+    for (const Action& a : acts) {
+      if (a.kind != Kind::B) {
+        out.push_back(a);
+        continue;
+      }
+      out.emplace_back(a.stage, Kind::I, a.microbatch);
+      out.emplace_back(a.stage, Kind::W, a.microbatch);
+    }
+    acts = std::move(out);
+  }
+  return p;
+}
+
+// ZB-H1 and ZB-H2 are the references zb_auto must not lose to (each only where it fits the
+// cap; one that rejects (pp, m) is left out); 1F1B is one more candidate.
+std::vector<detail::Seed> seed_programs(const BuildArgs& a) {
+  BuildArgs plain;
+  plain.pp = a.pp;
+  plain.microbatches = a.microbatches;
+  std::vector<detail::Seed> seeds;
+  for (auto build : {build_zb_h1, build_zb_h2}) {
+    try {
+      seeds.push_back({build(plain), true});
+    } catch (const ScheduleError&) {
+    }
+  }
+  seeds.push_back({split_backwards(build_1f1b(plain)), false});
+  return seeds;
+}
+
+}  // namespace
+
 Program build_zb_auto(const BuildArgs& a) {
   check_basic_args("zb_auto", a);
   const int spr = resolve_stages_per_rank("zb_auto", a, 1, 1, 1);
-  ZB_SCHEDULE_CHECK(a.memory_cap >= 0, "zb_auto: memory_cap must be >= 1 microbatch (0 = pp), got memory_cap=",
+  ZB_SCHEDULE_CHECK(a.memory_cap >= 0,
+                    "zb_auto: memory_cap must be >= 1 microbatch (0 = pp), got memory_cap=",
                     a.memory_cap);
   Program p = make_program("zb_auto", a, spr, "loop");
   a.costs.check(p.num_stages);
@@ -32,7 +74,8 @@ Program build_zb_auto(const BuildArgs& a) {
   }
   std::sort(warmups.begin(), warmups.end());
   warmups.erase(std::unique(warmups.begin(), warmups.end()), warmups.end());
-  Program best = detail::search_list_schedules(p, a.costs, std::vector<int>(a.pp, cap), warmups);
+  Program best = detail::search_list_schedules(p, a.costs, std::vector<int>(a.pp, cap), warmups,
+                                               seed_programs(a));
   best.schedule = "zb_auto";
   return best;
 }
