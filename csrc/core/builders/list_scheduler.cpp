@@ -49,8 +49,9 @@ class ListScheduler {
     for (int r = 0; r < p.pp; ++r) {
       ranks_[r].stages = p.stages_of(r);
       ranks_[r].left_fi = 2 * m_ * static_cast<int>(ranks_[r].stages.size());
-      ZB_CHECK(cap[r] >= static_cast<int>(ranks_[r].stages.size()), "rank ", r, " cap ", cap[r],
-               " below its stage count");
+      const int spr = static_cast<int>(ranks_[r].stages.size());
+      ZB_CHECK(spr <= 2, "the list scheduler handles 1 or 2 stages per rank, got ", spr);
+      ZB_CHECK(cap[r] >= spr, "rank ", r, " cap ", cap[r], " below its stage count");
     }
   }
 
@@ -81,7 +82,6 @@ class ListScheduler {
     std::vector<int> stages;          // local stages, ascending (= the order a microbatch visits)
     double clock = 0.0;               // when the rank is next free
     int live = 0;                     // activations held (F started, W not done)
-    int reserved = 0;                 // units promised to admitted microbatches' later stages
     bool backward_started = false;    // warm-up ends at the first I
     Kind last = Kind::W;              // last F or I run, for Order::kAlternate
     std::deque<std::pair<int, int>> pending_w;  // (stage, mb) whose I ran, FIFO
@@ -120,13 +120,13 @@ class ListScheduler {
       const int mb = next_f_[s];
       if (mb >= m_) continue;
       const double ready = s == 0 ? 0.0 : arrive(s - 1, end_f_[idx(s - 1, mb)], s);
-      if (admits(r, s)) {
-        const int need = rk.live + rk.reserved + spr(r);
-        const bool fits = need <= cap_[r] && (rk.backward_started || need <= warmup_[r]);
-        if (!fits) {
-          held = std::min(held, ready);
-          continue;
-        }
+      // Entering: room for this F and the later-stage F some admitted microbatch still owes.
+      const int need = rk.live + (admits(r, s) ? spr(r) : 1);
+      const bool fits = need <= cap_[r] &&
+                        (!admits(r, s) || rk.backward_started || need <= warmup_[r]);
+      if (!fits) {
+        held = std::min(held, ready);
+        continue;
       }
       if (ready < best.ready) best = {Kind::F, s, mb, ready};
     }
@@ -203,7 +203,6 @@ class ListScheduler {
         end_f_[idx(ch.stage, ch.mb)] = end;
         ++next_f_[ch.stage];
         ++rk.live;
-        rk.reserved += admits(r, ch.stage) ? spr(r) - 1 : -1;
         --rk.left_fi;
         rk.last = Kind::F;
         break;
@@ -312,24 +311,6 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   for (size_t i = 1; i < cands.size(); ++i)
     if (key(cands[i]) < key(cands[best])) best = i;
   return std::move(cands[best].program);
-}
-
-}  // namespace zbpipe::detail
-
-namespace zbpipe::detail {
-
-Program build_capped_v(const std::string& name, const BuildArgs& a, int cap_units) {
-  check_basic_args(name, a);
-  const int spr = resolve_stages_per_rank(name, a, 2, 2, 2);
-  ZB_SCHEDULE_CHECK(a.memory_cap == 0 || a.memory_cap == cap_units, name, " fixes its memory cap at ",
-                    cap_units, " (stage, microbatch) units per rank for pp=", a.pp,
-                    ", got memory_cap=", a.memory_cap, " (zb_auto takes any cap)");
-  Program p = make_program(name, a, spr, "v");
-  a.costs.check(p.num_stages);
-  const std::vector<int> cap(a.pp, cap_units);
-  Program best = search_list_schedules(p, a.costs, cap, {cap}, {});
-  best.schedule = name;
-  return best;
 }
 
 }  // namespace zbpipe::detail

@@ -6,9 +6,6 @@
 #include <limits>
 #include <vector>
 
-#include <string>
-
-#include "zbpipe/builders.h"
 #include "zbpipe/cost_model.h"
 #include "zbpipe/program.h"
 
@@ -34,11 +31,13 @@ struct ListPolicy {
 };
 
 // Activation accounting is the simulator's: one unit per (stage, microbatch) from F start to
-// W end. A microbatch entering a rank reserves one unit for every stage it will run there, so a
-// full rank can always finish the microbatches it holds (no memory deadlock); cap[r] >= stages
-// per rank is required. warmup[r] additionally bounds the units held before the rank's first
-// backward (the warm-up depth). Fills `p.ranks` (compute-only, I/W split); `p` comes with its
-// topology and empty rank lists.
+// W end; every rank stays within cap[r] units. With 2 stages per rank (V), a microbatch enters a
+// rank only if it leaves room for one more F: the later-stage F that the oldest admitted
+// microbatch still owes runs first (stages run F in microbatch order), that microbatch then needs
+// no more memory to finish its backward and W, so a full rank never deadlocks. 1 or 2 stages per
+// rank, cap[r] >= stages per rank. warmup[r] additionally bounds the units held before a
+// microbatch enters a rank that has not run its first backward yet (the warm-up depth). Fills
+// `p.ranks` (compute-only, I/W split); `p` comes with its topology and empty rank lists.
 void list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
                    const std::vector<int>& warmup, const ListPolicy& policy);
 
@@ -60,14 +59,5 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
                               const std::vector<int>& cap,
                               const std::vector<std::vector<int>>& warmups,
                               const std::vector<Seed>& seeds);
-
-}  // namespace zbpipe::detail
-
-namespace zbpipe::detail {
-
-// The memory-controlled V schedules (v_half, v_min): V topology, 2 stages per rank, I/W split,
-// every rank capped at `cap_units` (stage, microbatch) units, built by search_list_schedules
-// under the request's costs. Rejects a memory_cap other than 0 or cap_units.
-Program build_capped_v(const std::string& name, const BuildArgs& a, int cap_units);
 
 }  // namespace zbpipe::detail
