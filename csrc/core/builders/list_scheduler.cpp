@@ -270,7 +270,8 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   costs.check(shell.num_stages);
   using Order = ListPolicy::Order;
   std::vector<Scored> cands, refs;
-  auto score = [&](Program prog, bool is_seed, bool is_ref) {
+  int primary = -1;  // index into refs
+  auto score = [&](Program prog, bool is_seed, Seed::Role role) {
     const SimResult res = simulate(prog, costs);
     long mem = 0;
     for (int r = 0; r < prog.pp; ++r) {
@@ -283,10 +284,11 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
     }
     double span = *std::max_element(res.span.begin(), res.span.end());
     Scored sc{std::move(prog), round9(res.makespan), round9(span), round9(res.bubble_rate), mem};
-    if (is_ref) refs.push_back(sc);
+    if (role == Seed::Role::kPrimary) primary = static_cast<int>(refs.size());
+    if (role != Seed::Role::kCandidate) refs.push_back(sc);
     cands.push_back(std::move(sc));
   };
-  for (const Seed& seed : seeds) score(seed.program, true, seed.reference);
+  for (const Seed& seed : seeds) score(seed.program, true, seed.role);
   const bool multi = shell.num_stages > shell.pp;
   for (const auto& warmup : warmups)
     for (Order order : {Order::kBackwardFirst, Order::kForwardFirst, Order::kAlternate})
@@ -297,19 +299,30 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
               if (!deep && !multi) continue;  // the knob only matters with several stages per rank
               Program cand = shell;
               list_schedule(cand, costs, cap, warmup, {order, fill, avoid, recycle, deep});
-              score(std::move(cand), false, false);
+              score(std::move(cand), false, Seed::Role::kCandidate);
             }
   ZB_CHECK(!cands.empty(), "no candidate schedule for '", shell.schedule, "'");
-  // Lowest worst-case regret against the seeds first (every candidate that matches or beats all
-  // of them ties at 1), then makespan, bubble, memory.
-  auto key = [&](const Scored& c) {
-    double worst = 1.0;
-    for (const auto& ref : refs) worst = std::max(worst, round9(regret(c, ref)));
-    return std::make_tuple(worst, c.makespan, c.bubble, c.memory);
+  auto worst = [&](const Scored& c) {
+    double w = 1.0;
+    for (const auto& ref : refs) w = std::max(w, round9(regret(c, ref)));
+    return w;
   };
-  size_t best = 0;
-  for (size_t i = 1; i < cands.size(); ++i)
-    if (key(cands[i]) < key(cands[best])) best = i;
+  // Pool: those no worse than every reference; else those no worse than the primary; else all.
+  std::vector<size_t> pool;
+  for (size_t i = 0; i < cands.size(); ++i)
+    if (worst(cands[i]) <= 1.0) pool.push_back(i);
+  if (pool.empty() && primary >= 0)
+    for (size_t i = 0; i < cands.size(); ++i)
+      if (regret(cands[i], refs[primary]) <= 1.0) pool.push_back(i);
+  if (pool.empty())
+    for (size_t i = 0; i < cands.size(); ++i) pool.push_back(i);
+  auto key = [&](size_t i) {
+    const Scored& c = cands[i];
+    return std::make_tuple(worst(c), c.makespan, c.bubble, c.memory);
+  };
+  size_t best = pool.front();
+  for (size_t i : pool)
+    if (key(i) < key(best)) best = i;
   return std::move(cands[best].program);
 }
 

@@ -41,20 +41,21 @@ struct ListPolicy {
 void list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
                    const std::vector<int>& warmup, const ListPolicy& policy);
 
-// A fixed schedule's compute-only program offered to the search; a reference is one the pick
-// must match or beat (when some candidate does).
+// A fixed schedule's compute-only program offered to the search, and how much it binds it.
 struct Seed {
+  enum class Role { kCandidate, kReference, kPrimary };
   Program program;
-  bool reference = false;
+  Role role = Role::kCandidate;
 };
 
 // Runs list_schedule for every policy in the grid and every warm-up vector given, scores each
-// candidate with zbpipe::simulate and returns the best. `seeds` (on the same topology) are
-// candidates too when they fit the cap, and so are references then: candidates are ranked by
-// their worst ratio to any fitting reference on makespan or longest span
-// (anything matching or beating every reference ties at 1), then by makespan, bubble rate and
-// total peak activations. Makespan and span can disagree (a schedule may end later on the last
-// rank yet keep every rank's span shorter), which is why both are compared.
+// candidate with zbpipe::simulate and returns the best. Seeds that fit the cap (on the same
+// topology) are candidates too. The pick matches or beats, on both makespan and longest span
+// (bubble rate is monotone in it), every fitting reference if some candidate does; failing
+// that, the primary one (at most one; it is a candidate itself, so this always holds when it
+// fits). Within that pool: lowest worst ratio to any reference on either metric, then makespan,
+// bubble rate and total peak activations. Makespan and span can disagree (a schedule may end
+// later on the last rank yet keep every rank's span shorter), which is why both are compared.
 Program search_list_schedules(const Program& shell, const CostModel& costs,
                               const std::vector<int>& cap,
                               const std::vector<std::vector<int>>& warmups,

@@ -72,7 +72,7 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
     ZB_CHECK(res.peak_activations[r] <= cap_units, name, " block layout holds ",
              res.peak_activations[r], " units on rank ", r, ", above its bound ", cap_units);
   const std::vector<int> cap(a.pp, cap_units);
-  Program best = search_list_schedules(shell, a.costs, cap, {cap}, {{std::move(laid_out), true}});
+  Program best = search_list_schedules(shell, a.costs, cap, {cap}, {{std::move(laid_out), Seed::Role::kPrimary}});
   best.schedule = name;
   return best;
 }

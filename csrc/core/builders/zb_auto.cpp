@@ -8,8 +8,9 @@
 //   - whether an F may delay a backward that is about to become ready (the paper's binary knob);
 //   - I-first, F-first or alternating when both are ready; W before I when memory-bound.
 // The hand-made ZB-H1, ZB-H2 and 1F1B (B split into I + W) orders join the pool when they fit
-// the cap, and the pick matches or beats ZB-H1 and ZB-H2 on both makespan and bubble whenever
-// some candidate does (see search_list_schedules). One stage per rank, I/W split.
+// the cap. The pick matches or beats ZB-H1 and ZB-H2 on both makespan and bubble whenever some
+// candidate does, and always the one the cap is meant for: ZB-H2 when memory_cap >= 2p-1,
+// else ZB-H1 (when it fits, i.e. memory_cap >= p). See search_list_schedules. One stage per rank, I/W split.
 // Peak activations never exceed M_limit on any rank.
 #include <algorithm>
 
@@ -38,20 +39,25 @@ Program split_backwards(Program p) {
   return p;
 }
 
-// ZB-H1 and ZB-H2 are the references zb_auto must not lose to (each only where it fits the
-// cap; one that rejects (pp, m) is left out); 1F1B is one more candidate.
-std::vector<detail::Seed> seed_programs(const BuildArgs& a) {
+// ZB-H1 and ZB-H2 are the references zb_auto must not lose to (each only where it fits the cap;
+// one that rejects (pp, m) is left out): the primary one is ZB-H2 when the cap allows its 2p-1,
+// else ZB-H1. 1F1B is one more candidate.
+std::vector<detail::Seed> seed_programs(const BuildArgs& a, int cap) {
+  using Role = detail::Seed::Role;
   BuildArgs plain;
   plain.pp = a.pp;
   plain.microbatches = a.microbatches;
+  const bool h2_fits = cap >= 2 * a.pp - 1;
   std::vector<detail::Seed> seeds;
-  for (auto build : {build_zb_h1, build_zb_h2}) {
+  auto add = [&](Program (*build)(const BuildArgs&), Role role) {
     try {
-      seeds.push_back({build(plain), true});
+      seeds.push_back({build(plain), role});
     } catch (const ScheduleError&) {
     }
-  }
-  seeds.push_back({split_backwards(build_1f1b(plain)), false});
+  };
+  add(build_zb_h1, h2_fits ? Role::kReference : Role::kPrimary);
+  add(build_zb_h2, h2_fits ? Role::kPrimary : Role::kReference);
+  seeds.push_back({split_backwards(build_1f1b(plain)), Role::kCandidate});
   return seeds;
 }
 
@@ -75,7 +81,7 @@ Program build_zb_auto(const BuildArgs& a) {
   std::sort(warmups.begin(), warmups.end());
   warmups.erase(std::unique(warmups.begin(), warmups.end()), warmups.end());
   Program best = detail::search_list_schedules(p, a.costs, std::vector<int>(a.pp, cap), warmups,
-                                               seed_programs(a));
+                                               seed_programs(a, cap));
   best.schedule = "zb_auto";
   return best;
 }
