@@ -279,7 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["train"] and _has_train():
         from . import train
 
-        return int(train.main(argv[1:]) or 0)
+        try:
+            return int(train.main(argv[1:]) or 0)
+        except SystemExit as exc:  # its argparse exits on --help and on bad arguments
+            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
     parser = build_parser()
     try:
         try:

@@ -41,7 +41,9 @@ def slot_grid(program: _C.Program, result: _C.SimResult, slot: float = 1.0) -> s
     head = "rank"
     name_w = max(len(head), len(f"rank {program.pp - 1}")) + 1
     for r in range(program.pp):
-        cells = [".".ljust(width)] * n_slots
+        # Idle slots are dots up to the rank's last action (its span and warm-up wait).
+        last_end = max((round(e.end / slot) for e in events if e.rank == r), default=0)
+        cells = [".".ljust(width)] * last_end + [""] * (n_slots - last_end)
         for lab, e in zip(labels, events):
             if e.rank != r:
                 continue
