@@ -3,7 +3,8 @@
 // every forward of its local stages in ascending stage order (all m microbatches per stage, so
 // the earliest stage wins when several are ready), then every full backward of its stages in
 // descending stage order, microbatches in reverse (m-1 .. 0) as PyTorch does.
-// Peak activations v*m per rank (like GPipe over v stages).
+// Peak activations v*m per rank (like GPipe over v stages). v = 1 is legal (GPipe with the
+// backwards newest first): PyTorch's class takes one stage too, only its visualizer insists on 2.
 #include "zbpipe/builders.h"
 
 namespace zbpipe {

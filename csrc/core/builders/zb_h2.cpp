@@ -3,9 +3,9 @@
 // fill the bubble after the last one. One stage per rank, backward split into I and W.
 //
 // Rank r (of p) for m >= 2p-1 microbatches, slots of one unit at equal F/I/W costs:
-//   Phase 1  2p-1-2r forwards (rank 0 holds 2p-1 microbatches: the peak)
+//   Phase 1  2p-1-2r forwards (rank 0 then holds 2p-1 microbatches, its peak)
 //   Phase 2  I, then p-1 times: X, I   where X = F for the first r, else W
-//   Phase 3  m-2p+1 times: F, W, I
+//   Phase 3  m-2p+1 times: W, F, I
 //   Phase 4  p-1 times: X, I           where X = F for the first r, else W
 //   Phase 5  the 2r+1 W's still pending
 // Every rank runs its I_k exactly one unit after rank r+1 does (the I slots sit at the same
@@ -14,7 +14,8 @@
 // rank is busy from its first start to its last end: span 3m, bubble 0. That needs m >= 2p-1
 // (phase 3 non-negative). For smaller m the order is built for 2p-1 microbatches and the
 // phantom ones are dropped (a valid program minus whole microbatches stays valid), which keeps
-// it correct but not bubble-free. Peak activations <= 2p-1 on every rank.
+// it correct but not bubble-free (2p-1-m idle units on the busiest rank). Peak activations
+// <= 2p-1 on every rank (rank p-1 reaches it at the end of phase 4).
 #include <algorithm>
 
 #include "zbpipe/builders.h"
@@ -49,8 +50,8 @@ Program build_zb_h2(const BuildArgs& a) {
     }
     // Phase 3: steady state.
     for (int k = 0; k < full - 2 * pp + 1; ++k) {
+      W();  // before F: the W frees an activation before the F takes one
       F();
-      W();
       I();
     }
     // Phase 4: the last forwards, between the last I's.

@@ -9,8 +9,8 @@
 //            chunk 1 first
 // Like PyTorch, the order is built for n >= 2p-1 microbatches and those >= m are dropped, so
 // any m >= 1 is legal (a valid program minus whole microbatches stays valid). Bubble-free at
-// equal F/I/W costs once m >= 2p-1; peak activations about 2p microbatch-stages per rank (the
-// same memory as 1F1B's p full-model microbatches).
+// equal F/I/W costs once m >= 2p-1; peak activations 2p (stage, microbatch) units per rank,
+// each half of a rank's model slice: the memory of 1F1B's p microbatches on rank 0.
 #include <algorithm>
 
 #include "zbpipe/builders.h"
