@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import os
 import sys
 
 from . import _C
@@ -298,6 +299,9 @@ def main(argv: list[str] | None = None) -> int:
     except (CliError, _C.ScheduleError) as exc:
         print(f"zbpipe: error: {str(exc).splitlines()[0]}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `zbpipe ... | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 if __name__ == "__main__":
