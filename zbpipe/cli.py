@@ -129,7 +129,7 @@ def _stage_costs(values: list[float] | None, prog: _C.Program, pp: int, raw: boo
     if values is None:
         return None
     k = prog.num_stages // prog.pp
-    if raw or len(values) == prog.num_stages and k > 1:
+    if raw or (len(values) == prog.num_stages and k > 1):
         return values
     if len(values) == 1:
         return [values[0] / k]
@@ -180,8 +180,9 @@ def cmd_plan(args, out) -> int:
     prog = compile_schedule(args.schedule, args.pp, args.microbatches, args.stages_per_rank)
     res = simulate(prog, 1.0, 1.0, 1.0, 0.0)
     print(_header(prog), file=out)
-    print("unit costs (F = I = W = 1 slot, B = 2), no comm latency; lowercase = a rank's "
-          "second stage", file=out)
+    k = prog.num_stages // prog.pp
+    labels = {1: "", 2: "; lowercase = a rank's second stage"}.get(k, "; labels are stage+kind+mb")
+    print(f"unit costs (F = I = W = 1 slot, B = 2), no comm latency{labels}", file=out)
     print(slot_grid(prog, res), file=out)
     print(f"makespan: {res.makespan:g} slots; bubble rate: {res.bubble_rate:.4f} "
           f"(span-based); idle rate: {res.idle_rate:.4f}", file=out)
