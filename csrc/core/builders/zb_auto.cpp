@@ -4,14 +4,15 @@
 // candidate per hyper-parameter setting and the simulator picks among them:
 //   - warm-up depth: the units a rank may hold before its first I: M_limit, 1F1B's p-r, or
 //     ZB-H2's 2(p-r)-1 (each clipped to M_limit);
-//   - when a rank idles, fill the gap with a W if gap >= k * T_W, k in {0, 1/2, 1, never};
+//   - when a rank idles, fill the gap with a W if gap >= k * T_W, k in {0, 1/2, 1, never}
+//     (any gap before stage 0's I, whose delay costs nobody else);
 //   - whether an F may delay a backward that is about to become ready (the paper's binary knob);
 //   - I-first, F-first or alternating when both are ready; W before I when memory-bound.
 // The hand-made ZB-H1, ZB-H2 and 1F1B (B split into I + W) orders join the pool when they fit
 // the cap. The pick matches or beats ZB-H1 and ZB-H2 on both makespan and bubble whenever some
-// candidate does, and always the one the cap is meant for: ZB-H2 when memory_cap >= 2p-1,
-// else ZB-H1 (when it fits, i.e. memory_cap >= p). See search_list_schedules. One stage per rank, I/W split.
-// Peak activations never exceed M_limit on any rank.
+// candidate does, and always the one the cap is meant for: ZB-H2 when memory_cap >= 2p-1, else
+// ZB-H1 (when it fits, i.e. memory_cap >= p); see search_list_schedules. One stage per rank,
+// I/W split; peak activations never exceed M_limit on any rank.
 #include <algorithm>
 
 #include "list_scheduler.h"
