@@ -138,6 +138,33 @@ def test_draw_trace_png(tmp_path, capsys):
     assert code == 2 and "no events named by schedule actions" in err
 
 
+def test_draw_runtime_trace_lanes(tmp_path, capsys):
+    # zbpipe's runtime: pid = rank, tid 0 host / tid 1 device (different time bases), comm
+    # batches named "A+B". The host lane is drawn unless --trace-tid picks another.
+    events = []
+    for rank in range(3):
+        t = 1e6 + 10 * rank  # host clock: large absolute microseconds
+        for name, dur in ((f"{rank}F0", 5), (f"{rank}SEND_F0+{rank}RECV_B0", 1), (f"{rank}B0", 9)):
+            events.append({"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": t, "dur": dur})
+            events.append({"name": name, "ph": "X", "pid": rank, "tid": 1, "ts": t - 1e6, "dur": dur})
+            t += dur
+    trace = tmp_path / "runtime.json"
+    trace.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    from zbpipe import plot
+
+    host = plot.load_trace(str(trace))
+    assert {b.rank for b in host} == {0, 1, 2} and len(host) == 9
+    assert max(b.end for b in host) == pytest.approx((20 + 15) / 1e3)  # ms from the first event
+    assert sorted({b.kind for b in host}) == ["B", "COMM", "F"]
+    device = plot.load_trace(str(trace), lane=1)
+    assert len(device) == 9
+    out = tmp_path / "lane1.png"
+    code, _, _ = run(capsys, "draw", "--trace", str(trace), "--trace-tid", "1", "-o", str(out))
+    assert code == 0 and png_size(out) == (1600, 120 + 60 * 3)
+    code, _, err = run(capsys, "draw", "--trace", str(trace), "--trace-tid", "7", "-o", str(out))
+    assert code == 2 and "on tid 7" in err
+
+
 def test_train_is_absent_or_forwarded(capsys):
     from zbpipe import cli
 

@@ -107,6 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="a timeline picture (needs matplotlib)")
     draw.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf)")
     draw.add_argument("--trace", help="draw a runtime Chrome-trace JSON instead of a schedule")
+    draw.add_argument("--trace-tid", type=int, default=None,
+                      help="with --trace: the tid lane to draw where ranks have several "
+                           "(zbpipe's runtime: 0 host, the default; 1 device)")
     draw.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT in pixels")
     if _has_train():
         sub.add_parser("train", add_help=False, help="train a model (zbpipe.train)")
@@ -252,7 +255,7 @@ def cmd_draw(args, out) -> int:
         if args.schedule is not None:
             raise CliError("give either SCHEDULE or --trace, not both")
         try:
-            boxes = plot.load_trace(args.trace)
+            boxes = plot.load_trace(args.trace, args.trace_tid)
         except OSError as exc:
             raise CliError(f"cannot read trace '{args.trace}': {exc.strerror}") from None
         except ValueError as exc:

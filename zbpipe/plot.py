@@ -65,40 +65,59 @@ def program_boxes(program: _C.Program, result: _C.SimResult, comm: float):
     return boxes, arrows
 
 
-def load_trace(path: str) -> list[Box]:
+def _parse_name(name: str) -> list[_C.Action] | None:
+    """An event name as actions: one canonical string, or a comm batch joined with '+'."""
+    try:
+        return [_C.Action.parse(part) for part in name.split("+")]
+    except ValueError:
+        return None
+
+
+def load_trace(path: str, lane: int | None = None) -> list[Box]:
     """Boxes from a Chrome-trace JSON (a list of events or {"traceEvents": [...]}) whose
-    complete events are named by action strings ("1F3", "0SEND_B2"); "ts"/"dur" in us; the
-    rank is "pid" when the trace has several pids, else "tid". Other events are skipped."""
+    complete events are named by action strings ("1F3", "0SEND_B2", a comm batch
+    "0SEND_F1+0RECV_B0"); "ts"/"dur" in us. The rank is "pid" (or "tid" when there is no pid).
+    A rank with several tids is a runtime trace with one lane per clock (zbpipe's: tid 0 host,
+    tid 1 device, whose time bases differ): `lane` picks the tid, default the smallest one.
+    Events named otherwise are skipped."""
     with open(path, encoding="utf-8") as fh:
         data = json.load(fh)
     events = data.get("traceEvents", []) if isinstance(data, dict) else data
     if not isinstance(events, list):
         raise ValueError(f"{path}: not a Chrome trace (no event list)")
-    timed = [ev for ev in events if isinstance(ev, dict) and "dur" in ev and "ts" in ev]
-    pids = {ev.get("pid") for ev in timed}
-    key = "pid" if len(pids) > 1 else "tid"
     parsed = []
-    for ev in timed:
-        try:
-            action = _C.Action.parse(str(ev.get("name", "")))
-            rank = int(ev.get(key, ev.get("pid", 0)))
-        except (ValueError, TypeError):
+    for ev in events:
+        if not (isinstance(ev, dict) and "ts" in ev and "dur" in ev):
             continue
-        parsed.append((rank, action, float(ev["ts"]), float(ev["dur"])))
+        actions = _parse_name(str(ev.get("name", "")))
+        try:
+            rank = int(ev["pid"] if "pid" in ev else ev.get("tid", 0))
+            tid = int(ev.get("tid", rank))
+            ts, dur = float(ev["ts"]), float(ev["dur"])
+        except (TypeError, ValueError):
+            continue
+        if actions:
+            parsed.append((rank, tid, actions, ts, dur))
+    lanes: dict[int, set[int]] = {}
+    for rank, tid, *_ in parsed:
+        lanes.setdefault(rank, set()).add(tid)
+    parsed = [e for e in parsed if e[1] == (min(lanes[e[0]]) if lane is None else lane)]
     if not parsed:
-        raise ValueError(f"{path}: no events named by schedule actions (like '1F3')")
-    t0 = min(ts for _, _, ts, _ in parsed)
+        raise ValueError(f"{path}: no events named by schedule actions (like '1F3')"
+                         + (f" on tid {lane}" if lane is not None else ""))
+    t0 = min(ts for *_, ts, _ in parsed)
     # A rank's stages in ascending order give each action's chunk.
     stages: dict[int, set[int]] = {}
-    for rank, a, _, _ in parsed:
-        for p in a.sub_actions or [a]:
-            stages.setdefault(rank, set()).add(p.stage)
+    for rank, _, actions, _, _ in parsed:
+        for a in actions:
+            stages.setdefault(rank, set()).update(p.stage for p in a.sub_actions or [a])
     boxes = []
-    for rank, a, ts, dur in parsed:
-        first = (a.sub_actions or [a])[0]
-        chunk = sorted(stages[rank]).index(first.stage)
-        kind = "COMM" if not a.is_compute else a.kind.name
-        label = "/".join(str(p.microbatch) for p in (a.sub_actions or [a]))
+    for rank, _, actions, ts, dur in parsed:
+        a = actions[0]
+        parts = a.sub_actions or [a]
+        chunk = sorted(stages[rank]).index(parts[0].stage)
+        kind = a.kind.name if len(actions) == 1 and a.is_compute else "COMM"
+        label = "/".join(str(p.microbatch) for p in parts)
         boxes.append(Box(rank, kind, label, (ts - t0) / 1e3, (ts - t0 + dur) / 1e3, chunk))
     return boxes
 
