@@ -25,6 +25,10 @@ const std::vector<ScheduleInfo>& schedule_registry() {
       {"zbv", "ZB-V: zero bubble on the V topology, I/W split, 2 stages per rank", build_zbv},
       {"dualpipev", "DeepSeek DualPipeV: overlapped F/B pairs, V topology, 2 stages per rank",
        build_dualpipev},
+      {"zb_auto", "Zero Bubble automatic: greedy search under the costs and a memory cap, 1 stage per rank",
+       build_zb_auto},
+      {"v_half", "V-Half: V shape, 2 stages per rank, ~1/2 of 1F1B's activations", build_v_half},
+      {"v_min", "V-Min: V shape, 2 stages per rank, ~1/3 of 1F1B's activations", build_v_min},
   };
   return kRegistry;
 }

@@ -55,5 +55,8 @@ Program build_zb_h1(const BuildArgs& a);
 Program build_zb_h2(const BuildArgs& a);
 Program build_zbv(const BuildArgs& a);
 Program build_dualpipev(const BuildArgs& a);
+Program build_zb_auto(const BuildArgs& a);
+Program build_v_half(const BuildArgs& a);
+Program build_v_min(const BuildArgs& a);
 
 }  // namespace zbpipe

@@ -1,0 +1,31 @@
+// The V-shape building blocks of "Pipeline Parallelism with Controllable Memory" (Qi et al.
+// 2024), shared by v_half and v_min: a schedule is one block per rank repeated every microbatch.
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "zbpipe/builders.h"
+#include "zbpipe/program.h"
+
+namespace zbpipe::detail {
+
+// Slots (unit-cost time steps) of one rank's four passes of microbatch 0 in the repeating
+// block; microbatch k runs each at slot + 6k (a rank spends 6 slots per microbatch: two F, two
+// I, two W). Chunk 0 is stage r (the V's way down), chunk 1 stage 2p-1-r (the way back up).
+struct VBlock {
+  int f_chunk0;  // F of stage r
+  int f_chunk1;  // F of stage 2p-1-r
+  int i_chunk1;  // I of stage 2p-1-r (the backward reaches the way up first)
+  int i_chunk0;  // I of stage r
+};
+
+// Checks the request (V topology, 2 stages per rank fixed, memory_cap 0 or `cap_units`), lays
+// `blocks` (one per rank) out over every microbatch, and returns the better of that program and
+// what the list scheduler finds under the same cap and costs (it must match or beat the block
+// layout on makespan and bubble to be chosen). `cap_units` counts (stage, microbatch) units; the
+// block layout is checked to stay within it.
+Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
+                            const std::vector<VBlock>& blocks, int cap_units);
+
+}  // namespace zbpipe::detail

@@ -1,0 +1,80 @@
+"""v_half / v_min: V topology, 2 stages per rank, I/W split, peak activations within the
+paper's bounds, and the memory/bubble trade-off against zbv and 1f1b in the simulator.
+
+Units: the simulator counts (stage, microbatch); a V chunk holds half a 1F1B stage's
+activations, so a V schedule's peak in 1F1B microbatches is units / 2."""
+
+import random
+
+import pytest
+
+import zbpipe
+
+BOUND_UNITS = {  # the paper's bounds in 1F1B microbatches, times 2 chunks
+    "v_half": lambda p: 2 * ((p + 2) // 2),
+    "v_min": lambda p: 2 * ((p + 4) // 3),
+}
+
+
+def sim_model(prog, f=1.0, b=1.0, w=1.0, comm=0.0):
+    """Simulates the same model under every schedule: a stage of a k-stages-per-rank schedule
+    costs 1/k of a 1F1B stage. Returns the result and the peak in 1F1B microbatches."""
+    k = prog.num_stages // prog.pp
+    res = zbpipe.simulate(prog, f / k, b / k, w / k, comm)
+    return res, max(res.peak_activations) / k
+
+
+@pytest.mark.parametrize("name", ["v_half", "v_min"])
+@pytest.mark.parametrize("pp", [1, 2, 3, 4, 5, 6, 8, 12])
+def test_shape_and_memory_bound(name, pp):
+    for m in (1, pp, 2 * pp + 1, 3 * pp):
+        prog = zbpipe.compile(name, pp, m)
+        assert prog.num_stages == 2 * pp
+        assert prog.stage_to_rank == list(range(pp)) + list(reversed(range(pp)))
+        kinds = {a.kind for r in range(pp) for a in prog.rank_actions(r) if a.is_compute}
+        assert kinds <= {zbpipe.Kind.F, zbpipe.Kind.I, zbpipe.Kind.W}
+        res = zbpipe.simulate(prog, 1.0, 1.0, 1.0)
+        assert max(res.peak_activations) <= BOUND_UNITS[name](pp), (m, res.peak_activations)
+
+
+@pytest.mark.parametrize("pp,m", [(4, 12), (6, 18), (8, 24)])
+def test_memory_bubble_trade_off(pp, m):
+    r = {n: sim_model(zbpipe.compile(n, pp, m)) for n in ("1f1b", "zbv", "v_half", "v_min")}
+    peak = {n: v[1] for n, v in r.items()}
+    bubble = {n: v[0].bubble_rate for n, v in r.items()}
+    # Memory: v_min < v_half < zbv == 1f1b (= pp 1F1B microbatches).
+    assert peak["1f1b"] == pp and peak["zbv"] == pp
+    assert peak["v_min"] < peak["v_half"] < peak["zbv"]
+    assert peak["v_half"] <= (pp + 2) // 2 and peak["v_min"] <= (pp + 4) // 3
+    # Bubble: zbv <= v_half <= v_min, and both V schedules below 1F1B's.
+    assert bubble["zbv"] <= bubble["v_half"] + 1e-9 <= bubble["v_min"] + 2e-9
+    assert bubble["v_min"] < bubble["1f1b"]
+
+
+def test_bubble_shrinks_with_microbatches():
+    # The block repeats without a steady-state bubble: the bubble is warm-up/cool-down only.
+    for name in ("v_half", "v_min"):
+        rates = [sim_model(zbpipe.compile(name, 8, m))[0].bubble_rate for m in (16, 32, 64)]
+        assert rates[0] > rates[1] > rates[2]
+        assert rates[2] < 0.1
+
+
+def test_random_costs_keep_the_bound_and_validate():
+    rng = random.Random(0)
+    for _ in range(10):
+        pp, m = rng.randint(2, 6), rng.randint(1, 12)
+        costs = {k: [rng.uniform(0.3, 2.0) for _ in range(2 * pp)] for k in ("f", "b", "w")}
+        for name in ("v_half", "v_min"):
+            prog = zbpipe.compile(name, pp, m, comm=0.2, **costs)
+            zbpipe._C.validate(prog)
+            res = zbpipe.simulate(prog, costs["f"], costs["b"], costs["w"], 0.2)
+            assert max(res.peak_activations) <= BOUND_UNITS[name](pp)
+
+
+def test_fixed_parameters_are_rejected():
+    with pytest.raises(zbpipe.ScheduleError, match="stages_per_rank"):
+        zbpipe.compile("v_half", 4, 8, stages_per_rank=3)
+    with pytest.raises(zbpipe.ScheduleError, match="memory cap"):
+        zbpipe.compile("v_min", 4, 8, memory_cap=3)
+    # Its own cap is accepted.
+    zbpipe.compile("v_min", 4, 8, memory_cap=BOUND_UNITS["v_min"](4))

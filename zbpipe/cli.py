@@ -1,0 +1,312 @@
+"""The ``zbpipe`` command: plan / simulate / draw a schedule (and ``train`` when zbpipe.train
+exists). User errors print one line and exit 2, without a traceback."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+from . import _C
+from .schedule_api import compile as compile_schedule
+from .schedule_api import schedule_names, simulate
+from .timeline_text import slot_grid
+
+# Schedules whose memory cap is a parameter (the others fix their own).
+CAPPED = ("zb_auto",)
+COSTS_HELP = """costs: --f/--b/--w/--b-full are the forward, backward-input (I), backward-weight (W)
+and full-backward (B, default b + w) times of one 1F1B stage, i.e. 1/pp of the model: a scalar
+or one comma-separated value per 1F1B stage. A schedule with k stages per rank runs each slice
+as k stages costing 1/k of it, so every schedule simulates the same model. A list of one value
+per schedule stage is used as is; --raw-costs applies all values to each stage unchanged (as
+zbpipe.simulate does). --comm is the latency of one cross-rank transfer.
+memory: peak activations count (stage, microbatch) units, the simulator's; with k stages per
+rank one unit is 1/k of a 1F1B stage's activations, shown as "1F1B-mb"."""
+
+
+class CliError(Exception):
+    """A user error: reported as one line, exit status 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse would print usage and exit; we want one line
+        raise CliError(message)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got '{text}'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _costs(text: str) -> list[float]:
+    try:
+        values = [float(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number or comma-separated numbers, got '{text}'") from None
+    if any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"costs must be non-negative, got '{text}'")
+    return values
+
+
+def _size(text: str) -> tuple[int, int]:
+    try:
+        w, h = (int(v) for v in text.lower().split("x"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected WIDTHxHEIGHT in pixels, got '{text}'") from None
+    if w < 100 or h < 100:
+        raise argparse.ArgumentTypeError(f"size must be at least 100x100, got '{text}'")
+    return w, h
+
+
+def _has_train() -> bool:
+    return importlib.util.find_spec("zbpipe.train") is not None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="zbpipe", description="Pipeline schedules: plan, simulate, draw.")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+
+    sched = _Parser(add_help=False)
+    sched.add_argument("schedule", nargs="?", metavar="SCHEDULE",
+                       help="schedule name (see `zbpipe simulate --compare` for all)")
+    sched.add_argument("--pp", type=_positive_int, help="pipeline ranks")
+    sched.add_argument("--microbatches", "-m", type=_positive_int, help="microbatches per step")
+    sched.add_argument("--stages-per-rank", type=_positive_int, default=None,
+                       help="stages per rank where the schedule takes it")
+
+    costs = _Parser(add_help=False)
+    costs.add_argument("--f", type=_costs, default=[1.0], help="forward time (default 1)")
+    costs.add_argument("--b", type=_costs, default=[1.0], help="backward-input time (default 1)")
+    costs.add_argument("--w", type=_costs, default=[1.0], help="backward-weight time (default 1)")
+    costs.add_argument("--b-full", type=_costs, default=None, help="full backward time (default b+w)")
+    costs.add_argument("--comm", type=float, default=0.0, help="cross-rank latency (default 0)")
+    costs.add_argument("--memory-cap", type=_positive_int, default=None,
+                       help="activation cap per rank in (stage, microbatch) units (zb_auto)")
+    costs.add_argument("--raw-costs", action="store_true",
+                       help="apply cost values to each schedule stage unchanged")
+
+    fmt = argparse.RawDescriptionHelpFormatter
+    sub.add_parser("plan", parents=[sched], formatter_class=fmt,
+                   epilog="memory:" + COSTS_HELP.split("memory:")[1],
+                   help="print the per-rank program as a slot grid at unit costs",
+                   description="The schedule as a grid: ranks as rows, one column per time slot "
+                               "at unit costs (F = I = W = 1, B = 2), then its bubble rate and "
+                               "peak memory per rank.")
+    sim = sub.add_parser("simulate", parents=[sched, costs], formatter_class=fmt, epilog=COSTS_HELP,
+                         help="the simulator's numbers under a cost model")
+    sim.add_argument("--compare", action="store_true",
+                     help="one table over every schedule that accepts (pp, microbatches)")
+    draw = sub.add_parser("draw", parents=[sched, costs], formatter_class=fmt, epilog=COSTS_HELP,
+                          help="a timeline picture (needs matplotlib)")
+    draw.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf)")
+    draw.add_argument("--trace", help="draw a runtime Chrome-trace JSON instead of a schedule")
+    draw.add_argument("--trace-tid", type=int, default=None,
+                      help="with --trace: the tid lane to draw where ranks have several "
+                           "(zbpipe's runtime: 0 host, the default; 1 device)")
+    draw.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT in pixels")
+    if _has_train():
+        sub.add_parser("train", add_help=False, help="train a model (zbpipe.train)")
+    return parser
+
+
+def _check_schedule(args) -> None:
+    if args.schedule is None:
+        raise CliError("a SCHEDULE is required")
+    names = schedule_names()
+    if args.schedule not in names:
+        raise CliError(f"unknown schedule '{args.schedule}' (valid: {', '.join(names)})")
+    for opt in ("pp", "microbatches"):
+        if getattr(args, opt) is None:
+            raise CliError(f"--{opt} is required")
+
+
+def _stage_costs(values: list[float] | None, prog: _C.Program, pp: int, raw: bool, name: str):
+    """Per-stage costs for `prog` from CLI values given per 1F1B stage (see COSTS_HELP)."""
+    if values is None:
+        return None
+    k = prog.num_stages // prog.pp
+    if raw or (len(values) == prog.num_stages and k > 1):
+        return values
+    if len(values) == 1:
+        return [values[0] / k]
+    if len(values) != pp:
+        raise CliError(f"--{name} needs 1 value or one per 1F1B stage ({pp}), got {len(values)}")
+    return [values[s // k] / k for s in range(prog.num_stages)]
+
+
+def _compile(name: str, args) -> _C.Program:
+    """Compiles `name` for the CLI request; a cost-driven schedule gets the costs it will be
+    simulated under. --memory-cap goes to the named schedule (which may reject it), and in
+    --compare only to the schedules that take one."""
+    kw = {}
+    if args.memory_cap and (name in CAPPED or not args.compare_mode):
+        kw["memory_cap"] = args.memory_cap
+    prog = compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank, **kw)
+    if name in CAPPED:  # its stage count is known now: rebuild under the per-stage costs
+        costs = _sim_costs(prog, args)
+        prog = compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank,
+                                **costs, **kw)
+    return prog
+
+
+def _sim_costs(prog: _C.Program, args) -> dict:
+    c = {n: _stage_costs(getattr(args, n), prog, args.pp, args.raw_costs, n.replace("_", "-"))
+         for n in ("f", "b", "w", "b_full")}
+    return {**c, "comm": args.comm}
+
+
+def _memory_line(prog: _C.Program, res: _C.SimResult) -> str:
+    k = prog.num_stages // prog.pp
+    units = list(res.peak_activations)
+    line = f"peak activations per rank: {units} (stage, microbatch) units"
+    if k > 1:
+        line += f" = {[round(u / k, 2) for u in units]} 1F1B-mb"
+    return line
+
+
+def _header(prog: _C.Program) -> str:
+    k = prog.num_stages // prog.pp
+    topo = "v" if k == 2 and prog.stage_to_rank[-1] == 0 and prog.pp > 1 else "loop"
+    return (f"{prog.schedule}: pp={prog.pp}, stages={prog.num_stages} ({k} per rank, {topo}), "
+            f"microbatches={prog.microbatches}")
+
+
+def cmd_plan(args, out) -> int:
+    _check_schedule(args)
+    prog = compile_schedule(args.schedule, args.pp, args.microbatches, args.stages_per_rank)
+    res = simulate(prog, 1.0, 1.0, 1.0, 0.0)
+    print(_header(prog), file=out)
+    k = prog.num_stages // prog.pp
+    labels = {1: "", 2: "; lowercase = a rank's second stage"}.get(k, "; labels are stage+kind+mb")
+    print(f"unit costs (F = I = W = 1 slot, B = 2), no comm latency{labels}", file=out)
+    print(slot_grid(prog, res), file=out)
+    print(f"makespan: {res.makespan:g} slots; bubble rate: {res.bubble_rate:.4f} "
+          f"(span-based); idle rate: {res.idle_rate:.4f}", file=out)
+    print(_memory_line(prog, res), file=out)
+    return 0
+
+
+def cmd_simulate(args, out) -> int:
+    if args.compare:
+        return _compare(args, out)
+    _check_schedule(args)
+    prog = _compile(args.schedule, args)
+    costs = _sim_costs(prog, args)
+    res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"], b_full=costs["b_full"])
+    print(_header(prog), file=out)
+    print(f"costs per stage: f={costs['f']} b={costs['b']} w={costs['w']}"
+          + (f" b_full={costs['b_full']}" if costs["b_full"] else "") + f" comm={args.comm:g}",
+          file=out)
+    print(f"makespan: {res.makespan:.4f}", file=out)
+    print(f"bubble rate: {res.bubble_rate:.4f} (span-based, the Zero Bubble paper's)", file=out)
+    print(f"idle rate: {res.idle_rate:.4f} (1 - busy / (pp * makespan))", file=out)
+    print(f"busy per rank: {[round(b, 4) for b in res.busy]}", file=out)
+    print(_memory_line(prog, res), file=out)
+    return 0
+
+
+def _compare(args, out) -> int:
+    for opt in ("pp", "microbatches"):
+        if getattr(args, opt) is None:
+            raise CliError(f"--{opt} is required")
+    if args.schedule is not None:
+        raise CliError("--compare runs every schedule; give no SCHEDULE")
+    args.compare_mode = True
+    rows, skipped = [], []
+    for name in schedule_names():
+        try:
+            prog = _compile(name, args)
+            costs = _sim_costs(prog, args)
+            res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"],
+                           b_full=costs["b_full"])
+        except ValueError as exc:
+            skipped.append(f"{name} ({str(exc).splitlines()[0]})")
+            continue
+        k = prog.num_stages // prog.pp
+        peak = max(res.peak_activations)
+        rows.append((name, k, res.makespan, res.bubble_rate, res.idle_rate, peak, peak / k))
+    cap = f", memory_cap={args.memory_cap} for {'/'.join(CAPPED)}" if args.memory_cap else ""
+    print(f"pp={args.pp}, microbatches={args.microbatches}, f={args.f} b={args.b} w={args.w} "
+          f"comm={args.comm:g}{cap}", file=out)
+    print(f"{'schedule':<18}{'stages/rank':>12}{'makespan':>11}{'bubble':>9}{'idle':>9}"
+          f"{'peak units':>12}{'peak 1F1B-mb':>14}", file=out)
+    for name, k, ms, br, ir, peak, mb in rows:
+        print(f"{name:<18}{k:>12}{ms:>11.3f}{br:>9.4f}{ir:>9.4f}{peak:>12}{mb:>14.2f}", file=out)
+    for line in skipped:
+        print(f"skipped: {line}", file=out)
+    return 0
+
+
+def cmd_draw(args, out) -> int:
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        raise CliError("draw needs matplotlib (pip install matplotlib)") from None
+    from . import plot
+
+    if args.trace:
+        if args.schedule is not None:
+            raise CliError("give either SCHEDULE or --trace, not both")
+        try:
+            boxes = plot.load_trace(args.trace, args.trace_tid)
+        except OSError as exc:
+            raise CliError(f"cannot read trace '{args.trace}': {exc.strerror}") from None
+        except ValueError as exc:
+            raise CliError(str(exc)) from None
+        pp = max(b.rank for b in boxes) + 1
+        size = args.size or (1600, 120 + 60 * pp)
+        plot.draw(boxes, [], pp, args.output, size=size, title=f"trace {args.trace}",
+                  time_unit="ms")
+    else:
+        _check_schedule(args)
+        prog = _compile(args.schedule, args)
+        costs = _sim_costs(prog, args)
+        res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"],
+                       b_full=costs["b_full"])
+        boxes, arrows = plot.program_boxes(prog, res, args.comm)
+        size = args.size or (1600, 120 + 60 * prog.pp)
+        title = (f"{_header(prog)}; bubble {res.bubble_rate:.3f}, "
+                 f"peak {max(res.peak_activations)} units")
+        plot.draw(boxes, arrows, prog.pp, args.output, size=size, title=title)
+    print(f"wrote {args.output}", file=out)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv[:1] == ["train"] and _has_train():
+        from . import train
+
+        try:
+            return int(train.main(argv[1:]) or 0)
+        except SystemExit as exc:  # its argparse exits on --help and on bad arguments
+            return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    parser = build_parser()
+    try:
+        try:
+            args = parser.parse_args(argv)
+        except SystemExit as exc:  # --help
+            return int(exc.code or 0)
+        args.compare_mode = False
+        if args.command is None:
+            parser.print_help()
+            return 2
+        handler = {"plan": cmd_plan, "simulate": cmd_simulate, "draw": cmd_draw}[args.command]
+        return handler(args, sys.stdout)
+    except (CliError, _C.ScheduleError) as exc:
+        print(f"zbpipe: error: {str(exc).splitlines()[0]}", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `zbpipe ... | head`: the reader left; stop quietly
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
