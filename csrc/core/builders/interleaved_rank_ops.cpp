@@ -58,4 +58,24 @@ void interleaved_rank_ops(const InterleavedShape& s, int r, int warmup, bool zer
              ", W ", next[2 * v + j], ", m=", s.microbatches);
 }
 
+Program build_interleaved(const char* schedule, const BuildArgs& a, bool zero_bubble) {
+  check_basic_args(schedule, a);
+  const int v = resolve_stages_per_rank(schedule, a, 0, 2, 2);
+  // PyTorch's rule, kept on purpose: forwards and backwards walk the local stages in blocks of
+  // m / rounds microbatches, so a remainder would give some stage more than m forwards. Lifting
+  // it needs a different block layout, and so a different order from PyTorch's.
+  const int rounds = std::max(1, a.microbatches / a.pp);
+  ZB_SCHEDULE_CHECK(a.microbatches % rounds == 0, schedule, " needs microbatches to be a "
+                    "multiple of the rounds max(1, microbatches / pp) = ", rounds,
+                    ", got microbatches=", a.microbatches, ", pp=", a.pp);
+  Program p = make_program(schedule, a, v, "loop");
+  const auto shape = interleaved_shape(a.pp, v, a.microbatches);
+  const int hops = zero_bubble ? 1 : 2;
+  for (int r = 0; r < a.pp; ++r) {
+    const int warmup = std::min((v - 1) * shape.per_round + hops * (a.pp - 1 - r), v * a.microbatches);
+    interleaved_rank_ops(shape, r, warmup, zero_bubble, p.ranks[r]);
+  }
+  return p;
+}
+
 }  // namespace zbpipe::detail

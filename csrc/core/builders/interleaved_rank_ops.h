@@ -6,6 +6,7 @@
 #include <vector>
 
 #include "zbpipe/action.h"
+#include "zbpipe/builders.h"
 
 namespace zbpipe::detail {
 
@@ -25,5 +26,10 @@ InterleavedShape interleaved_shape(int pp, int local_stages, int microbatches);
 // the steady phase on; the remaining W's drain at the end (ZB1P). Without it, backwards are B.
 void interleaved_rank_ops(const InterleavedShape& s, int r, int warmup, bool zero_bubble,
                           std::vector<Action>& out);
+
+// The whole builder both schedules share: PyTorch's round rule (checked), loop topology, and
+// rank r's warm-up min((v-1)*per_round + hops*(p-1-r), v*m) with hops = 1 for ZB1P (it splits
+// the backward, so one forward per hop covers the I's latency) and 2 for interleaved 1F1B.
+Program build_interleaved(const char* schedule, const BuildArgs& a, bool zero_bubble);
 
 }  // namespace zbpipe::detail
