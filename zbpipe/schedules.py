@@ -24,15 +24,7 @@ def _program(name: str, pp: int, microbatches: int, stages_per_rank: int, forwar
     if not forward_only:
         return _compile(name, pp, microbatches, stages_per_rank or None)
     # Forward only: the schedule's forwards, in its order and topology, lowered again.
-    built = _C.build(name, pp, microbatches, stages_per_rank)
-    ranks = []
-    for r in range(pp):
-        row = []
-        for a in built.rank_actions(r):
-            parts = a.sub_actions if a.kind == _C.Kind.OVERLAP_F_B else [a]
-            row += [str(p) for p in parts if p.kind == _C.Kind.F]
-        ranks.append(row)
-    return _C.Program.from_actions(ranks, list(built.stage_to_rank), microbatches, f"{name}(forward)")
+    return _C.forward_only(_C.build(name, pp, microbatches, stages_per_rank))
 
 
 def _split(value: Any, n: int, what: str) -> list:

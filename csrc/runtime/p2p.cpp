@@ -22,8 +22,8 @@ P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device)
   rank_ = pg_->getRank();
   size_ = pg_->getSize();
   backend_name_ = pg_->getBackendName();
-  auto backend = pg_->getBackend(device_.type());
-  coalesce_ = backend->supportsCoalescing();
+  // A one-rank pipeline never communicates (and may have no backend for `device`).
+  if (size_ > 1) coalesce_ = pg_->getBackend(device_.type())->supportsCoalescing();
   // Only host backends complete a receive on the host; NCCL-style backends order the
   // compute stream after the communication instead.
   host_blocking_ = device_.is_cpu();
