@@ -156,7 +156,7 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
 namespace zbpipe::runtime {
 
 std::string to_string(const TensorSpec& s) {
-  std::string out = std::string(c10::toString(s.dtype)) + "[";
+  std::string out = std::string(c10::getDtypeNames(s.dtype).first) + "[";  // "float32", as Python
   for (size_t i = 0; i < s.shape.size(); ++i) out += (i ? ", " : "") + std::to_string(s.shape[i]);
   return out + "]";
 }
