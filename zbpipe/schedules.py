@@ -19,7 +19,7 @@ from .stage import PipelineStage
 
 
 @functools.lru_cache(maxsize=256)
-def _program(name: str, pp: int, microbatches: int, stages_per_rank: int, forward_only: bool):
+def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int, forward_only: bool):
     """Compiled (lowered, validated) program, cached per schedule and microbatch count."""
     if not forward_only:
         return _compile(name, pp, microbatches, stages_per_rank or None)
@@ -86,6 +86,7 @@ class PipelineSchedule:
         scale_grads: bool = True,
         timeout: float = 300.0,
         device_timing: bool = False,
+        _program: _C.Program | None = None,
     ):
         if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
             raise NotImplementedError(
@@ -111,12 +112,28 @@ class PipelineSchedule:
         num_stages = self._stages[0].num_stages
         if num_stages % pp != 0:
             raise ValueError(f"num_stages={num_stages} is not a multiple of the group size {pp}")
-        self._program = _program(self.schedule, pp, n_microbatches, num_stages // pp, not self._has_backward)
+        if _program is not None:
+            if _program.pp != pp or _program.num_stages != num_stages:
+                raise ValueError(
+                    f"program '{_program.schedule}' has pp={_program.pp}, num_stages="
+                    f"{_program.num_stages}; the stages say pp={pp}, num_stages={num_stages}")
+            self._program = _program
+        else:
+            self._program = _cached_program(self.schedule, pp, n_microbatches, num_stages // pp, not self._has_backward)
         self._executor: _C.Executor | None = None
 
     @property
     def program(self) -> _C.Program:
         return self._program
+
+    @classmethod
+    def from_program(cls, stages, program: _C.Program, loss_fn: Callable | None = None, **kwargs) -> "PipelineSchedule":
+        """A schedule running a given lowered program (e.g. zbpipe.Program.from_csv of a
+        PyTorch CSV); its microbatch count is the program's."""
+        self = cls.__new__(cls)
+        self.schedule = program.schedule
+        PipelineSchedule.__init__(self, stages, program.microbatches, loss_fn, _program=program, **kwargs)
+        return self
 
     def _get_executor(self) -> _C.Executor:
         if self._executor is None:
