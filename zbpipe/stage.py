@@ -30,7 +30,11 @@ class PipelineStage:
         output_args: example microbatch output; by default inferred (a meta-device run where
             the module allows, else one real no-grad forward).
         deferred_linear: run the nn.Linear layers' weight gradients as queued work in the W
-            action instead of splitting the autograd graph.
+            action instead of splitting the autograd graph (the layers' ``forward`` is
+            replaced on the instances, so build the stage from the module you train).
+
+    Shapes are fixed at the first step: every microbatch of every later step must match, and
+    a stage producing another shape fails on its rank with both shapes named.
     """
 
     def __init__(
