@@ -74,6 +74,15 @@ def _errors_world(rank, pp):
     out["runtime_shape"] = _attempt(rank, lambda g: plain(g, shrink_at_call=3))
     out["stage_exception"] = _attempt(rank, lambda g: plain(g, fail_at_call=2))
     out["recovered"] = _attempt(rank, plain)  # a new group and schedule work again
+    # Stages placed as a loop where the schedule wants a V: refused before any message.
+    mods = [Lin() for _ in range(2 * PP)]
+    wrong = [zbpipe.PipelineStage(mods[s], s, 2 * PP, "cpu") for s in (rank, rank + PP)]
+    try:
+        zbpipe.ScheduleZBVZeroBubble(wrong, 4, loss_fn=F.mse_loss, timeout=WAIT_S).step(
+            *((torch.randn(8, 8),) if rank == 0 else ()), target=torch.randn(8, 8))
+        out["placement"] = ("ok", "", 0.0)
+    except Exception as e:  # noqa: BLE001
+        out["placement"] = (type(e).__name__, str(e), 0.0)
     return out
 
 
@@ -128,6 +137,13 @@ def test_bad_input_fails_every_rank_cleanly():
         else:
             _check_failure(r["stage_exception"], rank, f"rank {rank} failed at action")
         assert r["recovered"][0] == "ok", r["recovered"]
+        if rank != 1:  # rank 1 holds stages 1 and 4 in both layouts: it waits, then fails
+            assert r["placement"][0] == "ScheduleError", r["placement"]
+            _check_failure((("ValueError",) + r["placement"][1:]), rank,
+                           f"places stages [{rank}, {2 * PP - 1 - rank}] on rank {rank}",
+                           f"given stages [{rank}, {rank + PP}]")
+        else:
+            _check_failure(r["placement"], rank, "rank 1", "from rank 0")
 
 
 def test_dead_peer_fails_survivors_in_bounded_time():

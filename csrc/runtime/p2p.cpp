@@ -15,7 +15,6 @@ struct Batch {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> tensors;  // alive until the batch completes
   bool done = false;
-  int peer = -1;                    // for messages: a peer of the batch
 };
 
 P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device)
@@ -55,11 +54,8 @@ std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
     for (auto& op : ops) batch->works.push_back(issue(op));
   }
   for (auto& op : ops) batch->tensors.push_back(std::move(op.tensor));
-  batch->peer = ops.front().peer;
   return batch;
 }
-
-bool P2P::waited(const Batch& batch) { return batch.done; }
 
 void P2P::abandon(std::shared_ptr<Batch> batch) {
   if (!batch || batch->done) return;
