@@ -11,9 +11,8 @@ import functools
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
-from . import _C, _tree
+from . import _C
 from .schedule_api import compile as _compile
 from .stage import PipelineStage
 
