@@ -22,8 +22,8 @@ def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int,
     """Compiled (lowered, validated) program, cached per schedule and microbatch count."""
     if not forward_only:
         return _compile(name, pp, microbatches, stages_per_rank or None)
-    # Forward only: the schedule's forwards, in its order and topology, lowered again.
-    return _C.forward_only(_C.build(name, pp, microbatches, stages_per_rank))
+    # Forward only: the schedule's forwards, in its order and topology, lowered and validated.
+    return _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
 
 
 def _split(value: Any, n: int, what: str) -> list:

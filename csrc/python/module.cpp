@@ -162,6 +162,9 @@ void register_core(py::module_& m) {
         "Runs only the builder: the compute-only program, not lowered or validated.");
   m.def("validate", &validate, py::arg("program"));
   m.def("insert_send_recv", &insert_send_recv, py::arg("program"));
+  m.def("lower", &lower, py::arg("compute_only"), "insert_send_recv, then validate.");
+  m.def("strip_backward", &strip_backward, py::arg("compute_only"),
+        "The forwards of a compute-only program, same order and topology.");
 
   py::class_<TimelineEvent>(m, "TimelineEvent")
       .def_readonly("rank", &TimelineEvent::rank)
@@ -290,28 +293,8 @@ py::dict trace_record_to_py(const runtime::TraceRecord& r) {
   return d;
 }
 
-// The forwards of a compute-only program, lowered: the forward-only variant of any schedule
-// (same topology and forward order). Not validated: validate() demands a backward per (stage, mb).
-Program forward_only(const Program& compute_only) {
-  ZB_SCHEDULE_CHECK(!compute_only.has_comms(), "forward_only expects a compute-only program");
-  Program p = compute_only;
-  p.schedule += "(forward)";
-  for (auto& acts : p.ranks) {
-    std::vector<Action> kept;
-    for (const auto& a : acts) {
-      if (a.kind == Kind::F) kept.push_back(a);
-      for (const auto& s : a.sub)
-        if (s.kind == Kind::F) kept.push_back(s);
-    }
-    acts = std::move(kept);
-  }
-  return insert_send_recv(p);
-}
-
 void register_runtime(py::module_& m) {
   py::register_exception<runtime::PipelineError>(m, "PipelineError", PyExc_RuntimeError);
-  m.def("forward_only", &forward_only, py::arg("compute_only"),
-        "Lowered forward-only variant of a compute-only program (e.g. zbpipe._C.build(...)).");
 
   py::class_<runtime::Executor>(m, "Executor",
       "Runs one rank's lowered program over a c10d process group (see csrc/runtime/executor.h).")

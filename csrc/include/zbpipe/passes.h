@@ -13,6 +13,10 @@ Program insert_send_recv(const Program& compute_only);
 // Drops communication actions (the inverse view of insert_send_recv).
 Program strip_comms(const Program& p);
 
+// The forward-only variant of a compute-only program: its forwards in the same order and
+// topology (OVERLAP_F_B pairs keep their F), for evaluation with any schedule.
+Program strip_backward(const Program& compute_only);
+
 // Checks, throwing ScheduleError with the program grid and the offending action marked:
 //  - shape: ranks == pp, stage_to_rank consistent, actions only on the rank owning the stage;
 //  - each (stage, mb) runs F once and either B once or I then W once, nothing else;
