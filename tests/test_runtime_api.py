@@ -53,11 +53,20 @@ def _trace_world(rank, pp, path):
     loaded.step(x if rank == 0 else None, target=y) if rank == 0 else loaded.step(target=y)
     doubled = all(torch.allclose(p.grad, 2 * b, rtol=1e-5, atol=1e-7)
                   for b, p in zip(before, (p for st in stages for p in st.submod.parameters())))
+    # zb_auto through its class: compile_options (measured costs, memory cap) reach compile().
+    opts = dict(f=[1.0, 3.0], b=[1.0, 3.0], w=[1.0, 1.0], comm=0.1, memory_cap=3)
+    mlp = build("mlp", pp)
+    auto = zbpipe.ScheduleZBAuto(zbpipe.PipelineStage(mlp[rank], rank, pp, "cpu"), 4,
+                                 loss_fn=F.mse_loss, timeout=20, compile_options=opts)
+    auto_actions = auto.program.actions(rank)
+    xa, ya = data("mlp", 8)
+    auto.step(xa if rank == 0 else None, target=ya) if rank == 0 else auto.step(target=ya)
     out = os.path.join(path, f"trace{rank}.json")
     sched.export_chrome_trace(out)
     with open(out) as f:
         events = json.load(f)["traceEvents"]
-    return {"trace": sched.trace(), "events": events, "actions": sched.program.actions(rank), "doubled": doubled}
+    return {"trace": sched.trace(), "events": events, "actions": sched.program.actions(rank), "doubled": doubled,
+            "auto_actions": auto_actions, "auto_opts": opts}
 
 
 def test_trace_records_every_action_and_exports_chrome_json():
@@ -75,6 +84,10 @@ def test_trace_records_every_action_and_exports_chrome_json():
         assert [e["name"] for e in res["events"]] == [r["action"] for r in res["trace"]]
         assert all(e["ph"] == "X" and e["pid"] == rank for e in res["events"])
         assert res["doubled"]  # same batch again through the CSV program: gradients accumulate
+        assert res["auto_actions"] == zbpipe.compile("zb_auto", 2, 4, **res["auto_opts"]).actions(rank)
+    # ...and the options matter here, so the equality above shows they were passed.
+    assert zbpipe.compile("zb_auto", 2, 4, **results[0]["auto_opts"]).actions(0) != \
+        zbpipe.compile("zb_auto", 2, 4).actions(0)
 
 
 def _one_rank_world(rank, pp):

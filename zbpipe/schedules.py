@@ -18,10 +18,12 @@ from .stage import PipelineStage
 
 
 @functools.lru_cache(maxsize=256)
-def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int, forward_only: bool):
-    """Compiled (lowered, validated) program, cached per schedule and microbatch count."""
+def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int, forward_only: bool,
+                    options: tuple = ()):
+    """Compiled (lowered, validated) program, cached per schedule, microbatch count and compile
+    options (costs and memory cap for cost-driven schedules such as zb_auto)."""
     if not forward_only:
-        return _compile(name, pp, microbatches, stages_per_rank or None)
+        return _compile(name, pp, microbatches, stages_per_rank or None, **dict(options))
     # Forward only: the schedule's forwards, in its order and topology, lowered and validated.
     return _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
 
@@ -68,6 +70,8 @@ class PipelineSchedule:
             accumulated from earlier steps are not rescaled.
         timeout: seconds any single wait may take before the step fails on this rank.
         device_timing: record per-action device times (accelerators) in trace().
+        compile_options: extra zbpipe.compile() arguments, e.g. for zb_auto
+            dict(f=..., b=..., w=..., comm=..., memory_cap=...) (measured stage costs).
     """
 
     schedule: str = ""
@@ -85,6 +89,7 @@ class PipelineSchedule:
         scale_grads: bool = True,
         timeout: float = 300.0,
         device_timing: bool = False,
+        compile_options: dict | None = None,
         _program: _C.Program | None = None,
     ):
         if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
@@ -118,7 +123,10 @@ class PipelineSchedule:
                     f"{_program.num_stages}; the stages say pp={pp}, num_stages={num_stages}")
             self._program = _program
         else:
-            self._program = _cached_program(self.schedule, pp, n_microbatches, num_stages // pp, not self._has_backward)
+            options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                                   for k, v in (compile_options or {}).items()))
+            self._program = _cached_program(self.schedule, pp, n_microbatches, num_stages // pp,
+                                            not self._has_backward, options)
         self._executor: _C.Executor | None = None
 
     @property
@@ -201,12 +209,15 @@ ScheduleZBVZeroBubble = _schedule_class("ScheduleZBVZeroBubble", "zbv", "Zero bu
 ScheduleDualPipeV = _schedule_class("ScheduleDualPipeV", "dualpipev", "DualPipeV (overlapped F/B pairs on a V).")
 ScheduleZBH1 = _schedule_class("ScheduleZBH1", "zb_h1", "Zero bubble H1 (1F1B memory).")
 ScheduleZBH2 = _schedule_class("ScheduleZBH2", "zb_h2", "Zero bubble H2 (zero bubble, more memory).")
+ScheduleZBAuto = _schedule_class("ScheduleZBAuto", "zb_auto", "Cost-driven zero bubble under an activation cap (pass compile_options with measured costs).")
+ScheduleVHalf = _schedule_class("ScheduleVHalf", "v_half", "Controllable-memory V schedule, about 1/2 of 1F1B's activations.")
+ScheduleVMin = _schedule_class("ScheduleVMin", "v_min", "Controllable-memory V schedule, about 1/3 of 1F1B's activations.")
 ScheduleInference = _schedule_class("ScheduleInference", "inference", "Forward only (a loss_fn is still applied to report losses).", forward_only=True)
 
 _CLASSES = [
     ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
     ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV, ScheduleZBH1,
-    ScheduleZBH2, ScheduleInference,
+    ScheduleZBH2, ScheduleZBAuto, ScheduleVHalf, ScheduleVMin, ScheduleInference,
 ]
 
 
