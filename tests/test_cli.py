@@ -7,6 +7,7 @@ import re
 import struct
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,6 @@ import pytest
 import zbpipe
 from zbpipe.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
 
 
 def run(capsys, *argv):
@@ -176,13 +176,17 @@ def test_train_is_absent_or_forwarded(capsys):
 
 
 def test_python_dash_m_subprocess():
-    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    # The zbpipe this test imported (installed, or a developer's PYTHONPATH=. tree), run from a
+    # neutral folder so a source tree without _C cannot shadow it.
+    pkg_parent = str(Path(zbpipe.__file__).resolve().parent.parent)
+    env = {**os.environ, "PYTHONPATH": pkg_parent}
+    neutral = tempfile.gettempdir()
     ok = subprocess.run([sys.executable, "-m", "zbpipe", "plan", "zb_h1", "--pp", "3", "-m", "4"],
-                        capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+                        capture_output=True, text=True, env=env, cwd=neutral, timeout=120)
     assert ok.returncode == 0, ok.stderr
     assert re.search(r"^rank 2 ", ok.stdout, re.M)
     bad = subprocess.run([sys.executable, "-m", "zbpipe", "plan", "nope", "--pp", "2", "-m", "2"],
-                         capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+                         capture_output=True, text=True, env=env, cwd=neutral, timeout=120)
     assert bad.returncode == 2
     assert bad.stderr.startswith("zbpipe: error: unknown schedule 'nope'")
     assert "Traceback" not in bad.stderr
