@@ -35,7 +35,7 @@ def _die_with_parent() -> None:
 def _child(
     rank: int,
     world: int,
-    store_path: str,
+    tmp: str,
     device: str,
     pg_timeout_s: float,
     threads: int,
@@ -54,7 +54,7 @@ def _child(
         backend, dev = "gloo", torch.device("cpu")
     dist.init_process_group(
         backend,
-        init_method=f"file://{store_path}",
+        init_method=f"file://{os.path.join(tmp, 'store')}",
         rank=rank,
         world_size=world,
         timeout=datetime.timedelta(seconds=pg_timeout_s),
@@ -62,6 +62,12 @@ def _child(
     )
     try:
         fn(rank, world, dev, *args)
+    except BaseException as e:
+        # Peers of a crashed rank fail right after it ("connection closed"); the timestamp lets
+        # the parent name the rank that failed first, the root cause.
+        with open(os.path.join(tmp, f"error.{rank}"), "w") as f:
+            f.write(f"{time.time()!r}\n{type(e).__name__}: {e}".strip()[:2000])
+        raise
     finally:
         dist.destroy_process_group()
 
@@ -86,11 +92,10 @@ def run_local(
         raise RuntimeError("device='cuda' requested but torch.cuda.is_available() is False")
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="zbpipe_run_") as tmp:
-        store = os.path.join(tmp, "store")
         procs = [
             ctx.Process(
                 target=_child,
-                args=(r, world, store, device, pg_timeout_s, threads, fn, args),
+                args=(r, world, tmp, device, pg_timeout_s, threads, fn, args),
                 daemon=True,
             )
             for r in range(world)
@@ -103,8 +108,7 @@ def run_local(
                 codes = [p.exitcode for p in procs]
                 failed = [r for r, c in enumerate(codes) if c not in (None, 0)]
                 if failed:
-                    r = failed[0]
-                    raise RuntimeError(f"rank {r} exited with code {codes[r]} (see its stderr above)")
+                    raise RuntimeError(_failure_message(tmp, failed, codes))
                 if all(c == 0 for c in codes):
                     return
                 if time.monotonic() > deadline:
@@ -112,6 +116,21 @@ def run_local(
                 time.sleep(0.05)
         finally:
             _stop([p for p in procs if p.pid is not None])
+
+
+def _failure_message(tmp: str, failed: list[int], codes: list) -> str:
+    """Names the earliest failure among the ranks that recorded one, else the first exit."""
+    first, when, what = failed[0], float("inf"), ""
+    for r in range(len(codes)):
+        try:
+            with open(os.path.join(tmp, f"error.{r}")) as f:
+                stamp, _, text = f.read().partition("\n")
+        except OSError:
+            continue
+        if float(stamp) < when:
+            first, when, what = r, float(stamp), text
+    detail = f": {what}" if what else f" with code {codes[first]}"
+    return f"rank {first} failed first{detail} (exited so far: {failed}; tracebacks on stderr)"
 
 
 def _stop(procs: list) -> None:
