@@ -62,6 +62,9 @@ def _child(
     )
     try:
         fn(rank, world, dev, *args)
+        # Tear down together: a rank destroying its group while a peer still has transfers in
+        # flight can abort the peer inside the backend.
+        dist.barrier()
     except BaseException as e:
         # Peers of a crashed rank fail right after it ("connection closed"); the timestamp lets
         # the parent name the rank that failed first, the root cause.

@@ -64,6 +64,12 @@ def spec_for(schedule: str) -> ScheduleSpec:
     return SCHEDULES[schedule]
 
 
+def local_stages(schedule: str, rank: int, pp: int, num_stages: int) -> list[int]:
+    """Stage indices that live on `rank`, in increasing order."""
+    mapping = stage_to_rank(pp, num_stages, spec_for(schedule).style)
+    return [s for s in range(num_stages) if mapping[s] == rank]
+
+
 def _library(lib: str) -> Any:
     if lib == "torch":
         import torch.distributed.pipelining as mod
@@ -94,8 +100,7 @@ def build_pipeline(
         raise ValueError(f"torch.distributed.pipelining 2.13 has no {spec.class_name} schedule")
     mod = _library(lib)
     num_stages = len(modules)
-    mapping = stage_to_rank(pp, num_stages, spec.style)
-    local = [s for s in range(num_stages) if mapping[s] == rank]
+    local = local_stages(schedule, rank, pp, num_stages)
     stages = []
     for s in local:
         kwargs: dict[str, Any] = {"group": group}
