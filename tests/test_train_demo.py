@@ -46,6 +46,8 @@ def test_pipelined_loss_matches_single_process(args):
     piped, single, diff, steps, worst, verdict = m.groups()
     piped, single = float(piped), float(single)
     assert int(steps) == 3 and verdict == "MATCH"
+    losses = [float(l) for _, _, l, _ in progress]
+    assert losses[-1] < losses[0], f"loss did not fall: {losses}"
     # The loss the pipeline reported at its last progress line is the one compared.
     assert abs(float(progress[-1][2]) - piped) < 1e-4
     # Same math, only reassociated: equal to float tolerance (and the untrained loss is ~ln 16).
