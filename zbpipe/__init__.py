@@ -20,3 +20,38 @@ __all__ = [
     "simulate",
 ]
 __version__ = "0.1.0"
+
+# Runtime: stages, schedule classes and the C++ executor's errors.
+from ._C import PipelineError  # noqa: E402
+from .schedules import (  # noqa: E402
+    PipelineSchedule,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInference,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBH1,
+    ScheduleZBH2,
+    ScheduleZBVZeroBubble,
+    get_schedule_class,
+)
+from .stage import PipelineStage  # noqa: E402
+
+__all__ += [
+    "PipelineError",
+    "PipelineSchedule",
+    "PipelineStage",
+    "Schedule1F1B",
+    "ScheduleDualPipeV",
+    "ScheduleGPipe",
+    "ScheduleInference",
+    "ScheduleInterleaved1F1B",
+    "ScheduleInterleavedZeroBubble",
+    "ScheduleLoopedBFS",
+    "ScheduleZBH1",
+    "ScheduleZBH2",
+    "ScheduleZBVZeroBubble",
+    "get_schedule_class",
+]

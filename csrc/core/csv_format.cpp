@@ -10,6 +10,25 @@
 
 namespace zbpipe {
 
+namespace {
+// PyTorch's lowering also emits FSDP bookkeeping (1UNSHARD, 1RESHARD, 1REDUCE_GRAD). They carry
+// no pipeline data or ordering constraint, and zbpipe does not shard, so import drops them.
+bool is_fsdp_bookkeeping(std::string_view cell) {
+  size_t i = 0;
+  while (i < cell.size() && cell[i] >= '0' && cell[i] <= '9') ++i;
+  std::string_view rest = cell.substr(i);
+  for (std::string_view name : {"UNSHARD", "RESHARD", "REDUCE_GRAD"})
+    if (i > 0 && rest.substr(0, name.size()) == name) return true;
+  return false;
+}
+
+std::string_view trim(std::string_view s) {
+  while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '\r')) s.remove_prefix(1);
+  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) s.remove_suffix(1);
+  return s;
+}
+}  // namespace
+
 std::string to_csv(const Program& p) {
   std::string out;
   for (const auto& acts : p.ranks) {
@@ -35,9 +54,9 @@ Program from_csv(const std::string& text) {
     size_t cell_begin = 0;
     while (cell_begin <= line.size()) {
       size_t comma = line.find(',', cell_begin);
-      std::string_view cell = line.substr(cell_begin, comma == std::string_view::npos ? std::string_view::npos : comma - cell_begin);
-      bool blank = std::all_of(cell.begin(), cell.end(), [](char c) { return c == ' ' || c == '\r' || c == '\t'; });
-      if (!blank) {
+      std::string_view cell = trim(line.substr(
+          cell_begin, comma == std::string_view::npos ? std::string_view::npos : comma - cell_begin));
+      if (!cell.empty() && !is_fsdp_bookkeeping(cell)) {
         try {
           row.push_back(parse_action(cell));
         } catch (const ScheduleError& e) {

@@ -12,6 +12,19 @@ const std::vector<ScheduleInfo>& schedule_registry() {
       {"inference", "forward only, 1 stage per rank", build_inference},
       {"gpipe", "all forwards, then all backwards, 1 stage per rank", build_gpipe},
       {"1f1b", "one-forward-one-backward, 1 stage per rank", build_1f1b},
+      {"looped_bfs", "breadth-first: all forwards per local stage, loop topology, >= 1 stage per rank",
+       build_looped_bfs},
+      {"interleaved_1f1b", "Megatron interleaved 1F1B, loop topology, >= 2 stages per rank",
+       build_interleaved_1f1b},
+      {"interleaved_zb", "ZB1P: interleaved 1F1B with I/W split, loop topology, >= 2 stages per rank",
+       build_interleaved_zb},
+      {"zb_h1", "ZB-H1: 1F1B memory, I/W split, about 1/3 of 1F1B's bubble, 1 stage per rank",
+       build_zb_h1},
+      {"zb_h2", "ZB-H2: 2p-1 warm-up forwards, bubble-free when microbatches >= 2*pp-1, 1 stage per rank",
+       build_zb_h2},
+      {"zbv", "ZB-V: zero bubble on the V topology, I/W split, 2 stages per rank", build_zbv},
+      {"dualpipev", "DeepSeek DualPipeV: overlapped F/B pairs, V topology, 2 stages per rank",
+       build_dualpipev},
   };
   return kRegistry;
 }

@@ -1,4 +1,9 @@
 // The one binding file: zbpipe._C. Each subsystem registers itself from here.
+// torch's pybind.h first: it brings torch's type casters (Tensor, Device, dtype) and the
+// c10::intrusive_ptr holder, with the pybind11 torch bundles (so c10d types cross).
+#include <torch/csrc/utils/pybind.h>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
@@ -11,6 +16,10 @@
 #include "zbpipe/error.h"
 #include "zbpipe/passes.h"
 #include "zbpipe/simulator.h"
+#include "runtime/errors.h"
+#include "runtime/executor.h"
+#include "runtime/p2p.h"
+#include "runtime/trace.h"
 
 namespace py = pybind11;
 using namespace zbpipe;
@@ -118,7 +127,7 @@ void register_core(py::module_& m) {
                   "Builds a program from per-rank action strings (lowered if compute-only), validated.")
       .def("compute_only", &strip_comms)
       .def("__repr__", [](const Program& p) {
-        return detail::str("Program(schedule='", p.schedule, "', pp=", p.pp, ", num_stages=",
+        return zbpipe::detail::str("Program(schedule='", p.schedule, "', pp=", p.pp, ", num_stages=",
                            p.num_stages, ", microbatches=", p.microbatches, ")");
       });
 
@@ -160,7 +169,7 @@ void register_core(py::module_& m) {
       .def_readonly("start", &TimelineEvent::start)
       .def_readonly("end", &TimelineEvent::end)
       .def("__repr__", [](const TimelineEvent& e) {
-        return detail::str("TimelineEvent(rank=", e.rank, ", action=", to_string(e.action),
+        return zbpipe::detail::str("TimelineEvent(rank=", e.rank, ", action=", to_string(e.action),
                            ", start=", e.start, ", end=", e.end, ")");
       });
   py::class_<SimResult>(m, "SimResult")
@@ -172,7 +181,7 @@ void register_core(py::module_& m) {
       .def_readonly("peak_activations", &SimResult::peak_activations)
       .def_readonly("timeline", &SimResult::timeline)
       .def("__repr__", [](const SimResult& r) {
-        return detail::str("SimResult(makespan=", r.makespan, ", bubble_rate=", r.bubble_rate, ")");
+        return zbpipe::detail::str("SimResult(makespan=", r.makespan, ", bubble_rate=", r.bubble_rate, ")");
       });
   m.def("simulate", [](const Program& p, std::vector<double> f, std::vector<double> b,
                        std::vector<double> w, std::vector<double> b_full, double comm) {
@@ -181,10 +190,173 @@ void register_core(py::module_& m) {
         py::arg("b_full") = std::vector<double>{}, py::arg("comm") = 0.0);
 }
 
+// ---- runtime: the Python PipelineStage behind the C++ StageHandle interface ---------------
+
+using runtime::Signature;
+using runtime::TensorSpec;
+
+py::list specs_to_py(const std::vector<TensorSpec>& specs) {
+  py::list out;
+  for (const auto& s : specs) out.append(py::make_tuple(py::tuple(py::cast(s.shape)), s.dtype));
+  return out;
+}
+
+std::vector<TensorSpec> specs_from_py(const py::handle& obj) {
+  std::vector<TensorSpec> out;
+  for (auto item : obj) {
+    auto pair = item.cast<py::tuple>();
+    out.push_back(TensorSpec{pair[0].cast<std::vector<int64_t>>(), pair[1].cast<at::ScalarType>()});
+  }
+  return out;
+}
+
+// Trampoline: each call re-acquires the GIL (the executor runs without it) and turns a Python
+// exception into a StageError carrying its formatted traceback.
+class PyStage final : public runtime::StageHandle {
+ public:
+  explicit PyStage(py::object stage)
+      : stage_(std::move(stage)),
+        forward_(stage_.attr("_zb_forward")),
+        backward_input_(stage_.attr("_zb_backward_input")),
+        backward_weight_(stage_.attr("_zb_backward_weight")),
+        backward_full_(stage_.attr("_zb_backward_full")),
+        infer_(stage_.attr("_zb_infer_outputs")) {}
+
+  ~PyStage() override {
+    py::gil_scoped_acquire gil;
+    stage_ = py::object();
+    forward_ = backward_input_ = backward_weight_ = backward_full_ = infer_ = py::object();
+  }
+
+  std::vector<at::Tensor> forward(int mb, std::vector<at::Tensor> inputs) override {
+    py::gil_scoped_acquire gil;
+    return guarded([&] { return forward_(mb, std::move(inputs)).cast<std::vector<at::Tensor>>(); });
+  }
+  std::vector<at::Tensor> backward_input(int mb, std::vector<at::Tensor> grads) override {
+    py::gil_scoped_acquire gil;
+    return guarded([&] { return backward_input_(mb, std::move(grads)).cast<std::vector<at::Tensor>>(); });
+  }
+  void backward_weight(int mb) override {
+    py::gil_scoped_acquire gil;
+    guarded([&] {
+      backward_weight_(mb);
+      return 0;
+    });
+  }
+  std::vector<at::Tensor> backward_full(int mb, std::vector<at::Tensor> grads) override {
+    py::gil_scoped_acquire gil;
+    return guarded([&] { return backward_full_(mb, std::move(grads)).cast<std::vector<at::Tensor>>(); });
+  }
+  Signature infer_outputs(const Signature& in) override {
+    py::gil_scoped_acquire gil;
+    return guarded([&] {
+      py::tuple res = infer_(specs_to_py(in.specs), in.structure);
+      return Signature{specs_from_py(res[0]), res[1].cast<std::string>()};
+    });
+  }
+
+ private:
+  template <typename F>
+  auto guarded(F&& f) -> decltype(f()) {
+    try {
+      return f();
+    } catch (py::error_already_set& e) {
+      std::string text;
+      try {
+        auto lines = py::module_::import("traceback").attr("format_exception")(e.type(), e.value(), e.trace());
+        text = py::str("").attr("join")(lines).cast<std::string>();
+      } catch (...) {
+        text = e.what();
+      }
+      throw runtime::StageError("exception in the stage:\n" + text);
+    } catch (py::cast_error& e) {
+      throw runtime::StageError(std::string("stage returned a value of the wrong type: ") + e.what());
+    }
+  }
+
+  py::object stage_, forward_, backward_input_, backward_weight_, backward_full_, infer_;
+};
+
+py::dict trace_record_to_py(const runtime::TraceRecord& r) {
+  py::dict d;
+  d["action"] = r.action;
+  d["rank"] = r.rank;
+  d["index"] = r.index;
+  d["host_start_ns"] = r.host_start_ns;
+  d["host_end_ns"] = r.host_end_ns;
+  d["wait_ns"] = r.wait_ns;
+  d["device_start_us"] = r.device_start_us;
+  d["device_end_us"] = r.device_end_us;
+  return d;
+}
+
+// The forwards of a compute-only program, lowered: the forward-only variant of any schedule
+// (same topology and forward order). Not validated: validate() demands a backward per (stage, mb).
+Program forward_only(const Program& compute_only) {
+  ZB_SCHEDULE_CHECK(!compute_only.has_comms(), "forward_only expects a compute-only program");
+  Program p = compute_only;
+  p.schedule += "(forward)";
+  for (auto& acts : p.ranks) {
+    std::vector<Action> kept;
+    for (const auto& a : acts) {
+      if (a.kind == Kind::F) kept.push_back(a);
+      for (const auto& s : a.sub)
+        if (s.kind == Kind::F) kept.push_back(s);
+    }
+    acts = std::move(kept);
+  }
+  return insert_send_recv(p);
+}
+
+void register_runtime(py::module_& m) {
+  py::register_exception<runtime::PipelineError>(m, "PipelineError", PyExc_RuntimeError);
+  m.def("forward_only", &forward_only, py::arg("compute_only"),
+        "Lowered forward-only variant of a compute-only program (e.g. zbpipe._C.build(...)).");
+
+  py::class_<runtime::Executor>(m, "Executor",
+      "Runs one rank's lowered program over a c10d process group (see csrc/runtime/executor.h).")
+      .def(py::init([](const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
+                       const py::dict& stages, const at::Device& device, double timeout_s,
+                       bool device_timing) {
+             std::map<int, std::shared_ptr<runtime::StageHandle>> handles;
+             for (auto [k, v] : stages)
+               handles[k.cast<int>()] = std::make_shared<PyStage>(py::reinterpret_borrow<py::object>(v));
+             runtime::ExecutorOptions opts;
+             opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
+             opts.device_timing = device_timing;
+             return std::make_unique<runtime::Executor>(
+                 program, std::make_unique<runtime::P2P>(pg, device), std::move(handles), opts);
+           }),
+           py::arg("program"), py::arg("process_group"), py::arg("stages"), py::arg("device"),
+           py::arg("timeout_s") = 300.0, py::arg("device_timing") = false)
+      .def("run", &runtime::Executor::run, py::call_guard<py::gil_scoped_release>(),
+           "Runs one step of the program (the GIL is released; stage calls re-acquire it).")
+      .def_property_readonly("rank", &runtime::Executor::rank)
+      .def_property_readonly("program", &runtime::Executor::program)
+      .def("set_timeout", [](runtime::Executor& e, double s) {
+             e.set_timeout(std::chrono::milliseconds(static_cast<int64_t>(s * 1000.0)));
+           }, py::arg("timeout_s"))
+      .def("signatures", [](const runtime::Executor& e, int stage) {
+             const auto& s = e.signatures(stage);
+             return py::make_tuple(py::make_tuple(specs_to_py(s.inputs.specs), s.inputs.structure),
+                                   py::make_tuple(specs_to_py(s.outputs.specs), s.outputs.structure));
+           }, py::arg("stage"))
+      .def("trace", [](const runtime::Executor& e) {
+             py::list out;
+             for (const auto& r : e.trace()) out.append(trace_record_to_py(r));
+             return out;
+           }, "Per-action timing of the last step: list of dicts (host ns, device us).")
+      .def("chrome_trace", [](const runtime::Executor& e) { return runtime::chrome_trace_json(e.trace()); })
+      .def("export_chrome_trace", [](const runtime::Executor& e, const std::string& path) {
+             runtime::write_chrome_trace(path, e.trace());
+           }, py::arg("path"));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
-  m.doc() = "zbpipe compiled core: schedule IR, builders, passes, simulator";
+  m.doc() = "zbpipe compiled core (schedule IR, builders, passes, simulator) and runtime";
   register_errors(m);
   register_core(m);
+  register_runtime(m);
 }

@@ -15,8 +15,14 @@ namespace zbpipe {
 using detail::ActionTable;
 
 Program insert_send_recv(const Program& in) {
-  Program out = in;
-  for (auto& acts : out.ranks) acts.clear();
+  Program out;
+  out.schedule = in.schedule;
+  out.pp = in.pp;
+  out.num_stages = in.num_stages;
+  out.microbatches = in.microbatches;
+  out.stage_to_rank = in.stage_to_rank;
+  out.ranks.resize(in.pp);
+  for (int r = 0; r < in.pp; ++r) out.ranks[r].reserve(in.ranks[r].size() * 2);
   ActionTable<uint8_t> done(in.num_stages, in.microbatches, 0);
   const int last = in.num_stages - 1;
 

@@ -1,8 +1,6 @@
 // Validation pass: structure, exactly-once compute, local ordering, SEND/RECV matching and a
 // blocking-receive execution. Every failure names the rule and shows the marked grid.
-#include <deque>
-#include <map>
-#include <utility>
+#include <tuple>
 
 #include "action_table.h"
 #include "zbpipe/error.h"
@@ -102,12 +100,12 @@ void validate(const Program& p) {
   for (int s = 0; s < p.num_stages; ++s) {
     const int r = p.rank_of(s);
     for (int mb = 0; mb < p.microbatches; ++mb) {
-      std::string id = detail::str("stage ", s, " microbatch ", mb);
-      if (!pos.at(s, Kind::F, mb)) fail(p, r, -1, id + " never runs F");
+      auto id = [&] { return detail::str("stage ", s, " microbatch ", mb); };
+      if (!pos.at(s, Kind::F, mb)) fail(p, r, -1, id() + " never runs F");
       bool full = pos.at(s, Kind::B, mb), in = pos.at(s, Kind::I, mb), wt = pos.at(s, Kind::W, mb);
-      if (full && (in || wt)) fail(p, r, -1, id + " runs both B and I/W");
+      if (full && (in || wt)) fail(p, r, -1, id() + " runs both B and I/W");
       if (!full && !(in && wt))
-        fail(p, r, -1, id + " needs B, or I and W (has I=" + std::to_string(in) + ", W=" +
+        fail(p, r, -1, id() + " needs B, or I and W (has I=" + std::to_string(in) + ", W=" +
                            std::to_string(wt) + ")");
     }
   }
@@ -147,18 +145,27 @@ void validate(const Program& p) {
   }
   if (comms) {
     // 3. Per ordered rank pair, sends and receives carry the same messages in the same order.
-    std::map<std::pair<int, int>, std::vector<Message>> sends, recvs;
+    // Index (src * pp + dst). Counts already match one-to-one (step 2), so equal sequences
+    // reduce to comparing element by element.
+    std::vector<std::vector<Message>> sends(static_cast<size_t>(p.pp) * p.pp);
     for (int r = 0; r < p.pp; ++r)
-      for (const Action& a : p.ranks[r]) {
-        if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B) sends[{r, peer_of(p, a)}].push_back(message_of(a));
-        if (a.kind == Kind::RECV_F || a.kind == Kind::RECV_B) recvs[{peer_of(p, a), r}].push_back(message_of(a));
+      for (const Action& a : p.ranks[r])
+        if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B)
+          sends[static_cast<size_t>(r) * p.pp + peer_of(p, a)].push_back(message_of(a));
+    std::vector<size_t> matched(sends.size(), 0);
+    for (int r = 0; r < p.pp; ++r) {
+      const auto& acts = p.ranks[r];
+      for (int i = 0; i < static_cast<int>(acts.size()); ++i) {
+        const Action& a = acts[i];
+        if (a.kind != Kind::RECV_F && a.kind != Kind::RECV_B) continue;
+        const int src = peer_of(p, a);
+        const size_t pair = static_cast<size_t>(src) * p.pp + r;
+        size_t& k = matched[pair];
+        if (k >= sends[pair].size() || !(sends[pair][k] == message_of(a)))
+          fail(p, r, i, detail::str("receive #", k, " on rank ", r, " from rank ", src,
+                                    " does not match the send in that order"));
+        ++k;
       }
-    for (const auto& [pair, list] : sends) {
-      const auto& other = recvs[pair];
-      for (size_t k = 0; k < list.size(); ++k)
-        if (k >= other.size() || !(list[k] == other[k]))
-          fail(p, pair.second, -1, detail::str("send #", k, " from rank ", pair.first, " to rank ",
-                                                pair.second, " does not match the receive in that order"));
     }
   }
 

@@ -1,0 +1,117 @@
+"""Schedule compile time: zbpipe (C++ build + lower + validate) vs torch.distributed.pipelining.
+
+Both sides do the same work: build every rank's compute program, lower it with SEND/RECV
+(PyTorch: get_schedule_ops(..., with_comms=True), which builds, validates and runs
+_add_send_recv), and validate. Median of several runs per cell, measured in one process.
+
+    python benchmarks/bench_compile.py              # full table (PyTorch's 32x128 cells take seconds)
+    python benchmarks/bench_compile.py --quick      # skip the (32, 128) size
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import statistics
+import time
+
+import zbpipe
+
+# zbpipe name -> PyTorch class name, where PyTorch has the same schedule.
+PEERS = {
+    "gpipe": "GPipe",
+    "1f1b": "1F1B",
+    "looped_bfs": "LoopedBFS",
+    "interleaved_1f1b": "Interleaved1F1B",
+    "interleaved_zb": "InterleavedZeroBubble",
+    "zbv": "ZBVZeroBubble",
+    "dualpipev": "DualPipeV",
+}
+SIZES = [(4, 8), (8, 32), (16, 64), (32, 128)]
+
+
+def median_seconds(fn, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def torch_lowering(name: str, pp: int, m: int):
+    """PyTorch's build + lower for one schedule. get_schedule_ops(with_comms=True) is used for
+    multi-stage schedules; for single-stage ones (GPipe, 1F1B) it crashes in 2.13 (it hands a
+    bare stage to _PipelineScheduleRuntime), so the same two calls are made here directly."""
+    from unittest import mock
+
+    from torch.distributed.pipelining._schedule_visualizer import get_schedule_ops
+    from torch.distributed.pipelining.schedules import (
+        REDUCE_GRAD,
+        PipelineScheduleSingle,
+        _PipelineScheduleRuntime,
+        get_schedule_class,
+    )
+    from torch.distributed.pipelining.stage import PipelineStage
+
+    cls = get_schedule_class(name)
+    if not issubclass(cls, PipelineScheduleSingle):
+        return lambda: get_schedule_ops(name, pp, m, with_comms=True)
+    stage = mock.create_autospec(PipelineStage, instance=True)
+    stage.group_rank, stage.group_size, stage.submod, stage.num_stages = 0, pp, None, pp
+
+    def run():
+        order = cls(stage, m).pipeline_order
+        # Their single-stage orders already carry REDUCE_GRAD, which the lowering re-adds.
+        order = {r: [a for a in acts if a is None or a.computation_type != REDUCE_GRAD]
+                 for r, acts in order.items()}
+        _PipelineScheduleRuntime([stage], m)._prepare_schedule_with_comms(order)
+
+    return run
+
+
+def torch_compile_time(name: str, pp: int, m: int, reps: int) -> float | None:
+    lowering = torch_lowering(name, pp, m)
+
+    def run():
+        with contextlib.redirect_stdout(io.StringIO()):
+            lowering()
+
+    try:
+        run()  # warm-up, and rejects sizes PyTorch does not take
+    except Exception:  # noqa: BLE001 - the peer's own validation errors mean "n/a"
+        return None
+    return median_seconds(run, reps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="skip the (32, 128) size")
+    parser.add_argument("--reps", type=int, default=20, help="zbpipe runs per cell")
+    parser.add_argument("--peer-reps", type=int, default=3, help="PyTorch runs per cell")
+    args = parser.parse_args()
+    sizes = SIZES[:-1] if args.quick else SIZES
+
+    header = f"{'schedule':<18}{'pp':>4}{'m':>6}{'zbpipe ms':>12}{'torch ms':>12}{'speedup':>10}"
+    print(header)
+    print("-" * len(header))
+    for name in zbpipe.schedule_names():
+        for pp, m in sizes:
+            try:
+                zbpipe.compile(name, pp=pp, microbatches=m)
+            except zbpipe.ScheduleError:
+                continue
+            ours = median_seconds(lambda: zbpipe.compile(name, pp=pp, microbatches=m), args.reps)
+            peer = PEERS.get(name)
+            theirs = torch_compile_time(peer, pp, m, args.peer_reps) if peer else None
+            # "rejects": PyTorch raised on its own program (its 2.13 1F1B order skips mb 0 on
+            # the last rank and fails its validator); "-": no such schedule in PyTorch.
+            missing = "rejects" if peer else "-"
+            t_col = f"{theirs * 1e3:12.1f}" if theirs is not None else f"{missing:>12}"
+            r_col = f"{theirs / ours:9.0f}x" if theirs is not None else f"{'':>10}"
+            print(f"{name:<18}{pp:>4}{m:>6}{ours * 1e3:12.3f}{t_col}{r_col}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

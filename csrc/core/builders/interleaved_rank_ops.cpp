@@ -1,0 +1,52 @@
+// Shared rank program of the interleaved schedules (see interleaved_rank_ops.h).
+#include "interleaved_rank_ops.h"
+
+#include <algorithm>
+
+namespace zbpipe::detail {
+
+InterleavedShape interleaved_shape(int pp, int local_stages, int microbatches) {
+  InterleavedShape s;
+  s.pp = pp;
+  s.local_stages = local_stages;
+  s.microbatches = microbatches;
+  s.per_round = microbatches / std::max(1, microbatches / pp);
+  return s;
+}
+
+void interleaved_rank_ops(const InterleavedShape& s, int r, int warmup, bool zero_bubble,
+                          std::vector<Action>& out) {
+  const int v = s.local_stages, total = v * s.microbatches;  // forwards (= backwards) on rank r
+  // Step `op` of the forward sequence runs local stage (op / per_round) % v; backward step `op`
+  // (counted from the end of warm-up) runs the local stages in reverse.
+  auto fwd_stage = [&](int op) { return ((op / s.per_round) % v) * s.pp + r; };
+  auto bwd_stage = [&](int op) {
+    return (v - 1 - ((op - warmup) / s.per_round) % v) * s.pp + r;
+  };
+  // Next microbatch per local stage for F, backward and W (stage / p is the local index).
+  std::vector<int> next(static_cast<size_t>(3) * v, 0);
+  auto take = [&](int kind_slot, int stage) { return next[kind_slot * v + stage / s.pp]++; };
+  const Kind bwd_kind = zero_bubble ? Kind::I : Kind::B;
+  int weights = 0;  // W's emitted; W number k belongs to backward step warmup + k
+  auto emit_weight = [&] {
+    const int stage = bwd_stage(warmup + weights++);
+    out.emplace_back(stage, Kind::W, take(2, stage));
+  };
+  out.reserve(out.size() + static_cast<size_t>(zero_bubble ? 3 : 2) * total);
+
+  for (int op = 0; op < warmup + total; ++op) {
+    if (op < total) {  // warm-up (op < warmup) and steady phase: one forward
+      const int fs = fwd_stage(op);
+      out.emplace_back(fs, Kind::F, take(0, fs));
+    }
+    if (op >= warmup) {  // steady and cool-down phases: one backward
+      const int bs = bwd_stage(op);
+      out.emplace_back(bs, bwd_kind, take(1, bs));
+      // ZB1P: rank r keeps r weight passes pending, filling the cool-down bubble with them.
+      if (zero_bubble && op - warmup >= r) emit_weight();
+    }
+  }
+  while (zero_bubble && weights < total) emit_weight();
+}
+
+}  // namespace zbpipe::detail

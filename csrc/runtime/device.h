@@ -1,0 +1,40 @@
+// Device-generic stream/event helpers (c10::Stream / c10::Event), so one source builds against
+// a CPU torch and drives CUDA with a CUDA torch. Used for per-action device timing.
+#pragma once
+
+#include <c10/core/Device.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+
+#include <vector>
+
+#include "runtime/trace.h"
+
+namespace zbpipe::runtime {
+
+// The stream compute runs on: the current stream of `device`.
+c10::Stream current_stream(const c10::Device& device);
+
+// Does this device type have timing events (CUDA and other accelerators; not CPU)?
+bool device_has_events(const c10::Device& device);
+
+// Timing events around each traced action on the compute stream; read once per step (one
+// host sync at the end of the step, only when device timing is on).
+class DeviceTimer {
+ public:
+  DeviceTimer(const c10::Device& device, bool enabled, size_t actions);
+  bool enabled() const { return enabled_; }
+  void start_step();
+  void mark(size_t i, bool end);
+  // Fills device_start_us / device_end_us of records[i] for every marked i.
+  void collect(std::vector<TraceRecord>& records);
+
+ private:
+  c10::Device device_;
+  bool enabled_ = false;
+  std::vector<c10::Event> begin_, end_;
+  std::vector<uint8_t> marked_;
+  std::vector<c10::Event> step_start_;  // 0 or 1 element (c10::Event has no default ctor)
+};
+
+}  // namespace zbpipe::runtime

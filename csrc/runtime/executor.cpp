@@ -1,0 +1,338 @@
+// Executor: dispatch table built once per program, then a tight loop per step.
+#include "runtime/executor.h"
+
+#include <ATen/ops/empty.h>
+
+#include "runtime/errors.h"
+
+namespace zbpipe::runtime {
+
+int data_tag(int boundary_stage, bool grad, int mb, int microbatches) {
+  return ((boundary_stage * 2 + (grad ? 1 : 0)) * microbatches + mb) * kMaxTensorsPerMessage;
+}
+
+namespace {
+std::vector<TensorSpec> differentiable(const std::vector<TensorSpec>& specs) {
+  std::vector<TensorSpec> out;
+  for (const auto& s : specs)
+    if (s.differentiable()) out.push_back(s);
+  return out;
+}
+}  // namespace
+
+Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
+                   std::map<int, std::shared_ptr<StageHandle>> stages, ExecutorOptions options)
+    : program_(std::move(program)), p2p_(std::move(p2p)), options_(options) {
+  ZB_CHECK(p2p_, "executor needs a P2P channel");
+  rank_ = p2p_->rank();
+  ZB_SCHEDULE_CHECK(p2p_->size() == program_.pp, "the process group has ", p2p_->size(),
+                    " ranks but the program '", program_.schedule, "' needs pp=", program_.pp);
+  ZB_SCHEDULE_CHECK(program_.has_comms() || program_.pp == 1,
+                    "the executor runs lowered programs (with SEND/RECV); got a compute-only one");
+  const auto expected = program_.stages_of(rank_);
+  std::vector<int> given;
+  for (const auto& [s, h] : stages) {
+    ZB_CHECK(h, "stage ", s, " has no handle");
+    given.push_back(s);
+    stage_ids_.push_back(s);
+    stages_.push_back(h);
+  }
+  if (given != expected) {
+    std::string want, got;
+    for (int s : expected) want += (want.empty() ? "" : ", ") + std::to_string(s);
+    for (int s : given) got += (got.empty() ? "" : ", ") + std::to_string(s);
+    throw ScheduleError(detail::str("schedule '", program_.schedule, "' places stages [", want,
+                                    "] on rank ", rank_, ", but this rank was given stages [",
+                                    got, "]"));
+  }
+  build_dispatch();
+  timer_ = std::make_unique<DeviceTimer>(p2p_->device(), options_.device_timing, entries_.size());
+}
+
+Executor::~Executor() = default;
+
+const StageSignatures& Executor::signatures(int stage) const {
+  for (size_t i = 0; i < stage_ids_.size(); ++i)
+    if (stage_ids_[i] == stage && ready_) return sigs_[i];
+  throw Error(detail::str("no signatures for stage ", stage, " on rank ", rank_,
+                          " (not local, or no step has run yet)"));
+}
+
+void Executor::build_dispatch() {
+  const auto& acts = program_.ranks[rank_];
+  const int last = program_.num_stages - 1;
+  const int m = program_.microbatches;
+  std::vector<int> local_of(program_.num_stages, -1);
+  for (size_t i = 0; i < stage_ids_.size(); ++i) local_of[stage_ids_[i]] = static_cast<int>(i);
+  ZB_CHECK(static_cast<int64_t>(program_.num_stages) * 2 * m * kMaxTensorsPerMessage < (1 << 29),
+           "too many stages x microbatches for the message tags (stages=", program_.num_stages,
+           ", microbatches=", m, ")");
+
+  auto local = [&](int stage, const Action& a) {
+    ZB_CHECK(stage >= 0 && stage < program_.num_stages && local_of[stage] >= 0, "action '",
+             to_string(a), "' on rank ", rank_, " names a stage this rank does not hold");
+    return local_of[stage];
+  };
+  auto same_rank = [&](int stage) { return program_.rank_of(stage) == rank_; };
+
+  auto add_compute = [&](const Action& a, int index) {
+    Entry e{};
+    e.index = index;
+    e.stage = a.stage;
+    e.local = local(a.stage, a);
+    e.mb = a.microbatch;
+    ZB_CHECK(e.mb >= 0 && e.mb < m, "action '", to_string(a), "' has microbatch out of range");
+    switch (a.kind) {
+      case Kind::F:
+        e.op = Op::Forward;
+        e.needs_recv = a.stage > 0 && !same_rank(a.stage - 1);
+        if (a.stage < last) {
+          if (same_rank(a.stage + 1)) e.handoff = local_of[a.stage + 1];
+          else e.to_send = true;
+        }
+        break;
+      case Kind::B:
+      case Kind::I:
+        e.op = a.kind == Kind::B ? Op::BackwardFull : Op::BackwardInput;
+        e.needs_recv = a.stage < last && !same_rank(a.stage + 1);
+        if (a.stage > 0) {
+          if (same_rank(a.stage - 1)) e.handoff = local_of[a.stage - 1];
+          else e.to_send = true;
+        }
+        break;
+      case Kind::W:
+        e.op = Op::BackwardWeight;
+        break;
+      default:
+        ZB_CHECK(false, "unexpected action '", to_string(a), "'");
+    }
+    entries_.push_back(e);
+    trace_.push_back(TraceRecord{to_string(a), rank_, index});
+  };
+
+  for (size_t i = 0; i < acts.size();) {
+    const Action& a = acts[i];
+    if (is_comm(a.kind)) {
+      Entry e{};
+      e.op = Op::Comm;
+      e.index = static_cast<int>(i);
+      e.comm_begin = static_cast<int>(comms_.size());
+      std::string name;
+      for (; i < acts.size() && is_comm(acts[i].kind); ++i) {
+        const Action& c = acts[i];
+        Comm k{c.kind, c.stage, local(c.stage, c), c.microbatch, -1, 0, static_cast<int>(i), {}};
+        ZB_CHECK(c.microbatch >= 0 && c.microbatch < m, "action '", to_string(c),
+                 "' has microbatch out of range");
+        switch (c.kind) {
+          case Kind::SEND_F: k.peer = program_.rank_of(c.stage + 1); k.tag = data_tag(c.stage, false, c.microbatch, m); break;
+          case Kind::RECV_F: k.peer = program_.rank_of(c.stage - 1); k.tag = data_tag(c.stage - 1, false, c.microbatch, m); break;
+          case Kind::SEND_B: k.peer = program_.rank_of(c.stage - 1); k.tag = data_tag(c.stage - 1, true, c.microbatch, m); break;
+          case Kind::RECV_B: k.peer = program_.rank_of(c.stage + 1); k.tag = data_tag(c.stage, true, c.microbatch, m); break;
+          default: break;
+        }
+        k.desc = detail::str(to_string(c), c.kind == Kind::SEND_F || c.kind == Kind::SEND_B ? " to rank " : " from rank ", k.peer);
+        comms_.push_back(std::move(k));
+        name += (name.empty() ? "" : "+") + to_string(c);
+      }
+      e.comm_end = static_cast<int>(comms_.size());
+      entries_.push_back(e);
+      trace_.push_back(TraceRecord{name, rank_, e.index});
+      continue;
+    }
+    ZB_CHECK(is_compute(a.kind), "unexpected action '", to_string(a), "'");
+    if (a.kind == Kind::OVERLAP_F_B) {
+      // Run as its parts in order: same results; overlapping them is a later optimisation.
+      for (const auto& sub : a.sub) add_compute(sub, static_cast<int>(i));
+    } else {
+      add_compute(a, static_cast<int>(i));
+    }
+    ++i;
+  }
+  slots_.assign(stage_ids_.size() * static_cast<size_t>(m), Slot{});
+}
+
+void Executor::fail(int index, const std::string& what) {
+  broken_ = true;
+  const auto& acts = program_.ranks[rank_];
+  std::string action = index >= 0 && index < static_cast<int>(acts.size()) ? to_string(acts[index]) : "(end of step)";
+  throw PipelineError(detail::str(
+      "zbpipe: rank ", rank_, " failed at action ", action, " (index ", index, ") of schedule '",
+      program_.schedule, "' (pp=", program_.pp, ", stages=", program_.num_stages,
+      ", microbatches=", program_.microbatches, "):\n  ", what,
+      "\nprogram (failing action marked >> <<):\n", format_program(program_, rank_, index)));
+}
+
+void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want,
+                             const char* what, int stage, int mb) const {
+  bool ok = outs.size() == want.size();
+  for (size_t i = 0; ok && i < outs.size(); ++i)
+    ok = outs[i].defined() && outs[i].scalar_type() == want[i].dtype &&
+         outs[i].sizes().vec() == want[i].shape;
+  if (ok) return;
+  std::vector<TensorSpec> got;
+  for (const auto& t : outs)
+    got.push_back(t.defined() ? TensorSpec{t.sizes().vec(), t.scalar_type()} : TensorSpec{});
+  throw PipelineError(detail::str(
+      "stage ", stage, " microbatch ", mb, " produced ", what, " ", to_string(got),
+      " but the pipeline agreed on ", to_string(want),
+      " at the first step (every microbatch must have the same shapes)"));
+}
+
+void Executor::wait_recv(std::shared_ptr<Batch>& batch, int comm, TraceRecord& rec) {
+  if (!batch) return;  // an empty message (nothing differentiable crossed)
+  const int64_t t0 = now_ns();
+  p2p_->wait(*batch, options_.timeout, comms_[comm].desc);
+  rec.wait_ns += now_ns() - t0;
+  batch.reset();
+}
+
+void Executor::post_comm(const Entry& e) {
+  std::vector<P2POp> ops;
+  bool has_send = false;
+  auto opts = at::TensorOptions().device(p2p_->device());
+  for (int c = e.comm_begin; c < e.comm_end; ++c) {
+    const Comm& k = comms_[c];
+    Slot& sl = slot(k.local, k.mb);
+    switch (k.kind) {
+      case Kind::RECV_F:
+      case Kind::RECV_B: {
+        const auto& specs = k.kind == Kind::RECV_F ? sigs_[k.local].inputs.specs : grad_specs_[k.local];
+        auto& bufs = k.kind == Kind::RECV_F ? sl.fwd_in : sl.grad_in;
+        bufs.clear();
+        for (size_t i = 0; i < specs.size(); ++i) {
+          bufs.push_back(at::empty(specs[i].shape, opts.dtype(specs[i].dtype)));
+          ops.push_back(P2POp{false, k.peer, k.tag + static_cast<int>(i), bufs.back()});
+        }
+        break;
+      }
+      case Kind::SEND_F:
+      case Kind::SEND_B: {
+        auto& outs = k.kind == Kind::SEND_F ? sl.fwd_out : sl.grad_out;
+        for (size_t i = 0; i < outs.size(); ++i)
+          ops.push_back(P2POp{true, k.peer, k.tag + static_cast<int>(i), outs[i].detach().contiguous()});
+        outs.clear();
+        has_send = true;
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  if (ops.empty()) return;
+  auto batch = p2p_->post(std::move(ops));
+  for (int c = e.comm_begin; c < e.comm_end; ++c) {
+    const Comm& k = comms_[c];
+    Slot& sl = slot(k.local, k.mb);
+    if (k.kind == Kind::RECV_F) {
+      sl.fwd_recv = batch;
+      sl.fwd_recv_comm = c;
+    } else if (k.kind == Kind::RECV_B) {
+      sl.grad_recv = batch;
+      sl.grad_recv_comm = c;
+    }
+  }
+  if (has_send) pending_sends_.push_back(std::move(batch));
+}
+
+void Executor::run_entry(const Entry& e, TraceRecord& rec) {
+  if (e.op == Op::Comm) {
+    post_comm(e);
+    return;
+  }
+  Slot& sl = slot(e.local, e.mb);
+  StageHandle& stage = *stages_[e.local];
+  switch (e.op) {
+    case Op::Forward: {
+      if (e.needs_recv) wait_recv(sl.fwd_recv, sl.fwd_recv_comm, rec);
+      auto outs = stage.forward(e.mb, std::move(sl.fwd_in));
+      sl.fwd_in.clear();
+      if (e.handoff >= 0) {
+        check_outputs(outs, sigs_[e.local].outputs.specs, "outputs", e.stage, e.mb);
+        slot(e.handoff, e.mb).fwd_in = std::move(outs);
+      } else if (e.to_send) {
+        check_outputs(outs, sigs_[e.local].outputs.specs, "outputs", e.stage, e.mb);
+        sl.fwd_out = std::move(outs);
+      }
+      break;
+    }
+    case Op::BackwardInput:
+    case Op::BackwardFull: {
+      if (e.needs_recv) wait_recv(sl.grad_recv, sl.grad_recv_comm, rec);
+      auto grads = std::move(sl.grad_in);
+      sl.grad_in.clear();
+      auto in_grads = e.op == Op::BackwardFull ? stage.backward_full(e.mb, std::move(grads))
+                                               : stage.backward_input(e.mb, std::move(grads));
+      if (e.handoff >= 0 || e.to_send) {
+        check_outputs(in_grads, differentiable(sigs_[e.local].inputs.specs), "input gradients",
+                      e.stage, e.mb);
+        if (e.handoff >= 0) slot(e.handoff, e.mb).grad_in = std::move(in_grads);
+        else sl.grad_out = std::move(in_grads);
+      }
+      break;
+    }
+    case Op::BackwardWeight:
+      stage.backward_weight(e.mb);
+      break;
+    case Op::Comm:
+      break;
+  }
+}
+
+void Executor::run() {
+  if (broken_)
+    throw PipelineError(detail::str(
+        "zbpipe: rank ", rank_, ": this schedule failed in an earlier step; its process group "
+        "may hold unmatched messages. Create a new process group and schedule."));
+  if (!ready_) {
+    std::map<int, StageHandle*> handles;
+    for (size_t i = 0; i < stage_ids_.size(); ++i) handles[stage_ids_[i]] = stages_[i].get();
+    try {
+      auto sigs = exchange_signatures(program_, *p2p_, handles, options_.timeout);
+      sigs_.clear();
+      grad_specs_.clear();
+      for (int s : stage_ids_) {
+        sigs_.push_back(sigs.at(s));
+        grad_specs_.push_back(differentiable(sigs_.back().outputs.specs));
+      }
+    } catch (const std::exception& ex) {
+      broken_ = true;
+      throw PipelineError(detail::str("zbpipe: rank ", rank_, ": ", ex.what()));
+    }
+    ready_ = true;
+  }
+  timer_->start_step();
+  for (size_t i = 0; i < entries_.size(); ++i) {
+    const Entry& e = entries_[i];
+    TraceRecord& rec = trace_[i];
+    rec.wait_ns = 0;
+    rec.host_start_ns = now_ns();
+    timer_->mark(i, false);
+    try {
+      run_entry(e, rec);
+    } catch (const std::exception& ex) {
+      pending_sends_.clear();
+      slots_.assign(slots_.size(), Slot{});
+      fail(e.index, ex.what());
+    }
+    timer_->mark(i, true);
+    rec.host_end_ns = now_ns();
+  }
+  try {
+    for (auto& b : pending_sends_) p2p_->wait(*b, options_.timeout, "a send of this step");
+  } catch (const std::exception& ex) {
+    pending_sends_.clear();
+    fail(-1, ex.what());
+  }
+  pending_sends_.clear();
+  for (auto& sl : slots_) {
+    sl.fwd_in.clear();
+    sl.grad_in.clear();
+    sl.fwd_out.clear();
+    sl.grad_out.clear();
+    sl.fwd_recv.reset();
+    sl.grad_recv.reset();
+  }
+  timer_->collect(trace_);
+}
+
+}  // namespace zbpipe::runtime

@@ -1,0 +1,103 @@
+// The executor: walks one rank's lowered program, posting receives at their RECV action,
+// waiting on them right before the compute that needs them, calling the stages for compute and
+// sending adjacent communication actions as one batch. The dispatch table is built once per
+// program; a step allocates only its receive buffers.
+#pragma once
+
+#include <chrono>
+#include <map>
+#include <memory>
+#include <vector>
+
+#include "runtime/device.h"
+#include "runtime/handshake.h"
+#include "runtime/p2p.h"
+#include "runtime/stage_handle.h"
+#include "runtime/trace.h"
+#include "zbpipe/program.h"
+
+namespace zbpipe::runtime {
+
+struct ExecutorOptions {
+  std::chrono::milliseconds timeout{300000};  // every wait: receives, sends, handshake
+  bool device_timing = false;                 // per-action device events (accelerators only)
+};
+
+class Executor {
+ public:
+  // `stages`: this rank's stages, keyed by global stage index (exactly prog.stages_of(rank)).
+  Executor(Program program, std::unique_ptr<P2P> p2p,
+           std::map<int, std::shared_ptr<StageHandle>> stages, ExecutorOptions options);
+  ~Executor();
+
+  // Runs one step (every microbatch). The first call runs the signature handshake. Throws
+  // PipelineError naming the rank and failing action, with the program grid marked. After a
+  // failure the executor (and the process group's pending traffic) is unusable.
+  void run();
+
+  const std::vector<TraceRecord>& trace() const { return trace_; }
+  const Program& program() const { return program_; }
+  int rank() const { return rank_; }
+  void set_timeout(std::chrono::milliseconds t) { options_.timeout = t; }
+  // Agreed signatures of a local stage (after the first run).
+  const StageSignatures& signatures(int stage) const;
+
+ private:
+  enum class Op : uint8_t { Forward, BackwardInput, BackwardWeight, BackwardFull, Comm };
+  // One dispatch entry, precomputed from the program.
+  struct Entry {
+    Op op;
+    int index;         // action index in the rank's program (first one for a comm batch)
+    int stage = -1;
+    int local = -1;    // index into stages_ / per-stage tables
+    int mb = -1;
+    bool needs_recv = false;  // input comes from another rank: wait its receive first
+    int handoff = -1;         // local index of the same-rank neighbour receiving the result
+    bool to_send = false;     // result is sent later by a SEND action
+    int comm_begin = 0, comm_end = 0;  // Comm: range in comms_
+  };
+  struct Comm {
+    Kind kind;       // SEND_F / RECV_F / SEND_B / RECV_B
+    int stage, local, mb, peer, tag, index;
+    std::string desc;  // "1RECV_F0 from rank 0", for error messages
+  };
+  // Per local stage and microbatch, the tensors in flight during a step.
+  struct Slot {
+    std::vector<at::Tensor> fwd_in, grad_in, fwd_out, grad_out;
+    std::shared_ptr<Batch> fwd_recv, grad_recv;
+    int fwd_recv_comm = -1, grad_recv_comm = -1;  // index in comms_ of the pending receive
+  };
+
+  void build_dispatch();
+  void run_entry(const Entry& e, TraceRecord& rec);
+  void post_comm(const Entry& e);
+  void wait_recv(std::shared_ptr<Batch>& batch, int comm, TraceRecord& rec);
+  void check_outputs(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want,
+                     const char* what, int stage, int mb) const;
+  Slot& slot(int local, int mb) { return slots_[static_cast<size_t>(local) * program_.microbatches + mb]; }
+  [[noreturn]] void fail(int index, const std::string& what);
+
+  Program program_;
+  std::unique_ptr<P2P> p2p_;
+  int rank_;
+  ExecutorOptions options_;
+  std::vector<int> stage_ids_;                       // local index -> global stage
+  std::vector<std::shared_ptr<StageHandle>> stages_; // local index -> handle
+  std::vector<StageSignatures> sigs_;                // local index -> agreed signatures
+  std::vector<std::vector<TensorSpec>> grad_specs_;  // local index -> differentiable outputs
+  std::vector<Entry> entries_;
+  std::vector<Comm> comms_;
+  std::vector<Slot> slots_;
+  std::vector<std::shared_ptr<Batch>> pending_sends_;
+  std::vector<TraceRecord> trace_;
+  std::unique_ptr<DeviceTimer> timer_;
+  bool ready_ = false;   // handshake done
+  bool broken_ = false;  // a step failed
+};
+
+// Tag of a data message: the boundary (lower stage of the edge), direction and microbatch,
+// times the per-message tensor capacity; tensor i of the message adds i.
+int data_tag(int boundary_stage, bool grad, int mb, int microbatches);
+constexpr int kMaxTensorsPerMessage = 64;
+
+}  // namespace zbpipe::runtime

@@ -1,0 +1,83 @@
+// P2P batches over c10d: coalesced when the backend supports it, individual ops otherwise.
+#include "runtime/p2p.h"
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include "runtime/errors.h"
+
+namespace zbpipe::runtime {
+
+struct Batch {
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  std::vector<at::Tensor> tensors;  // alive until the batch completes
+  bool done = false;
+  int peer = -1;                    // for messages: a peer of the batch
+};
+
+P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device)
+    : pg_(std::move(pg)), device_(device) {
+  ZB_CHECK(pg_, "a process group is required");
+  rank_ = pg_->getRank();
+  size_ = pg_->getSize();
+  backend_name_ = pg_->getBackendName();
+  // A one-rank pipeline never communicates (and may have no backend for `device`).
+  if (size_ > 1) coalesce_ = pg_->getBackend(device_.type())->supportsCoalescing();
+  // Only host backends complete a receive on the host; NCCL-style backends order the
+  // compute stream after the communication instead.
+  host_blocking_ = device_.is_cpu();
+}
+
+P2P::~P2P() = default;
+
+std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
+  auto batch = std::make_shared<Batch>();
+  batch->tensors.reserve(ops.size());
+  auto issue = [&](P2POp& op) {
+    std::vector<at::Tensor> one{op.tensor};
+    ZB_CHECK(op.peer >= 0 && op.peer < size_ && op.peer != rank_, "bad peer rank ", op.peer,
+             " for rank ", rank_, " in a group of ", size_);
+    return op.is_send ? pg_->send(one, op.peer, op.tag) : pg_->recv(one, op.peer, op.tag);
+  };
+  if (coalesce_ && ops.size() > 1) {
+    pg_->startCoalescing(device_.type());
+    try {
+      for (auto& op : ops) issue(op);
+    } catch (...) {
+      pg_->endCoalescing(device_.type());
+      throw;
+    }
+    batch->works.push_back(pg_->endCoalescing(device_.type()));
+  } else {
+    for (auto& op : ops) batch->works.push_back(issue(op));
+  }
+  for (auto& op : ops) batch->tensors.push_back(std::move(op.tensor));
+  batch->peer = ops.front().peer;
+  return batch;
+}
+
+bool P2P::waited(const Batch& batch) { return batch.done; }
+
+void P2P::wait(Batch& batch, std::chrono::milliseconds timeout, const std::string& what) {
+  if (batch.done) return;
+  for (auto& w : batch.works) {
+    if (!w) continue;
+    try {
+      if (host_blocking_) {
+        w->wait(timeout);
+      } else {
+        w->wait();  // stream-ordered: never blocks the host
+      }
+    } catch (const std::exception& e) {
+      throw PipelineError(::zbpipe::detail::str(
+          "waiting for ", what, " failed on backend ", backend_name_, " (timeout ",
+          timeout.count() / 1000.0, " s; a peer may have died or diverged): ", e.what()));
+    }
+  }
+  batch.done = true;
+  batch.works.clear();
+  batch.tensors.clear();
+}
+
+}  // namespace zbpipe::runtime

@@ -1,0 +1,67 @@
+// Point-to-point messages over a c10d::ProcessGroup: an adjacent group of sends/receives is
+// posted as one batch, coalesced (startCoalescing/endCoalescing) where the backend supports it,
+// one isend/irecv per tensor otherwise -- what torch.distributed.batch_isend_irecv does.
+// c10d stays behind this header (only p2p.cpp includes it) so other runtime files compile fast.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/intrusive_ptr.h>
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace zbpipe::runtime {
+
+struct P2POp {
+  bool is_send = false;
+  int peer = -1;  // rank in the process group
+  int tag = 0;    // Gloo matches on (peer, tag); NCCL on issue order
+  at::Tensor tensor;
+};
+
+// A posted batch (opaque: holds the c10d works and keeps its tensors alive until waited).
+struct Batch;
+
+class P2P {
+ public:
+  // `device` is where messages live: CPU for Gloo, the rank's GPU for NCCL.
+  P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device);
+  ~P2P();
+  P2P(const P2P&) = delete;
+  P2P& operator=(const P2P&) = delete;
+
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+  const c10::Device& device() const { return device_; }
+  const std::string& backend_name() const { return backend_name_; }
+  // One work per batch (NCCL) rather than one per tensor.
+  bool coalesces() const { return coalesce_; }
+
+  // Posts `ops` (non-empty) as one batch and returns it; the batch keeps the tensors alive.
+  std::shared_ptr<Batch> post(std::vector<P2POp> ops);
+
+  // Completes `batch` (idempotent). Host backends (Gloo) block the host for at most `timeout`
+  // and throw on timeout or peer failure; device backends (NCCL) only make the current stream
+  // wait on the communication (the process group's own timeout watches the device side).
+  // `what` (e.g. "1RECV_F0 from rank 0") goes into the error message.
+  void wait(Batch& batch, std::chrono::milliseconds timeout, const std::string& what);
+  // Is the batch's communication finished on the host side (no wait)?
+  static bool waited(const Batch& batch);
+
+ private:
+  c10::intrusive_ptr<c10d::ProcessGroup> pg_;
+  c10::Device device_;
+  int rank_ = 0;
+  int size_ = 1;
+  bool coalesce_ = false;
+  bool host_blocking_ = true;
+  std::string backend_name_;
+};
+
+}  // namespace zbpipe::runtime

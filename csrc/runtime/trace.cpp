@@ -1,0 +1,51 @@
+// Chrome-trace export of executor timings.
+#include "runtime/trace.h"
+
+#include <chrono>
+#include <cstdio>
+#include <fstream>
+
+#include "zbpipe/error.h"
+
+namespace zbpipe::runtime {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+namespace {
+void append_event(std::string& out, const std::string& name, int pid, int tid, double ts_us,
+                  double dur_us, int64_t wait_ns) {
+  char buf[256];
+  std::snprintf(buf, sizeof(buf),
+                "{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
+                "\"args\":{\"wait_us\":%.3f}}",
+                name.c_str(), pid, tid, ts_us, dur_us, wait_ns / 1000.0);
+  if (out.back() != '[') out += ",\n";
+  out += buf;
+}
+}  // namespace
+
+std::string chrome_trace_json(const std::vector<TraceRecord>& records) {
+  std::string out = "{\"traceEvents\":[";
+  for (const auto& r : records) {
+    // Action strings are [0-9A-Z_();+] only: nothing to escape.
+    append_event(out, r.action, r.rank, 0, r.host_start_ns / 1000.0,
+                 (r.host_end_ns - r.host_start_ns) / 1000.0, r.wait_ns);
+    if (r.device_start_us >= 0)
+      append_event(out, r.action, r.rank, 1, r.device_start_us,
+                   r.device_end_us - r.device_start_us, 0);
+  }
+  out += "],\"displayTimeUnit\":\"ms\"}\n";
+  return out;
+}
+
+void write_chrome_trace(const std::string& path, const std::vector<TraceRecord>& records) {
+  std::ofstream f(path, std::ios::binary);
+  ZB_CHECK(f.good(), "cannot open '", path, "' for writing");
+  f << chrome_trace_json(records);
+}
+
+}  // namespace zbpipe::runtime

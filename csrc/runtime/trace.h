@@ -1,0 +1,28 @@
+// Per-action timing of one executed step: host times always (two clock reads per action),
+// device times through events when the executor runs on an accelerator with device timing on.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace zbpipe::runtime {
+
+struct TraceRecord {
+  std::string action;        // canonical action string; a comm batch joins its actions with '+'
+  int rank = 0;
+  int index = 0;             // position of the (first) action in the rank's program
+  int64_t host_start_ns = 0; // steady clock (CLOCK_MONOTONIC): comparable across ranks of a host
+  int64_t host_end_ns = 0;
+  int64_t wait_ns = 0;       // part of the host time spent waiting for a receive
+  double device_start_us = -1.0;  // relative to the step's first device event; -1 if untimed
+  double device_end_us = -1.0;
+};
+
+int64_t now_ns();
+
+// Chrome trace ("traceEvents", complete events): pid = rank, tid 0 host, tid 1 device.
+std::string chrome_trace_json(const std::vector<TraceRecord>& records);
+void write_chrome_trace(const std::string& path, const std::vector<TraceRecord>& records);
+
+}  // namespace zbpipe::runtime

@@ -1,0 +1,93 @@
+"""Schedule-class lookup, per-action trace and Chrome-trace export, and a one-rank pipeline
+(same-rank stage hand-off only, no communication)."""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import zbpipe
+from _models import build, call_chain, data
+from _pp_world import run_world
+
+
+@pytest.mark.parametrize("name,expected", [
+    ("GPipe", "gpipe"), ("1F1B", "1f1b"), ("schedule1f1b", "1f1b"), ("LoopedBFS", "looped_bfs"),
+    ("Interleaved1F1B", "interleaved_1f1b"), ("InterleavedZeroBubble", "interleaved_zb"),
+    ("ZBVZeroBubble", "zbv"), ("ScheduleZBVZeroBubble", "zbv"), ("DualPipeV", "dualpipev"),
+    ("zb_h1", "zb_h1"), ("ZBH2", "zb_h2"), ("interleaved_zb", "interleaved_zb"),
+])
+def test_get_schedule_class_accepts_pytorch_and_compile_names(name, expected):
+    assert zbpipe.get_schedule_class(name).schedule == expected
+
+
+def test_every_compile_name_has_a_class():
+    for name in zbpipe.schedule_names():
+        cls = zbpipe.get_schedule_class(name)
+        assert issubclass(cls, zbpipe.PipelineSchedule) and cls.schedule == name
+
+
+def test_unknown_schedule_lists_valid_names():
+    with pytest.raises(ValueError, match="unknown schedule 'nope'.*ScheduleGPipe"):
+        zbpipe.get_schedule_class("nope")
+
+
+def _trace_world(rank, pp, path):
+    mods = build("mlp", 2 * pp)
+    stages = [zbpipe.PipelineStage(mods[s], s, 2 * pp, "cpu") for s in range(2 * pp) if s % pp == rank]
+    sched = zbpipe.ScheduleInterleaved1F1B(stages, 2 * pp, loss_fn=F.mse_loss, timeout=20)
+    x, y = data("mlp", 4 * pp)
+    sched.step(x if rank == 0 else None, target=y) if rank == 0 else sched.step(target=y)
+    out = os.path.join(path, f"trace{rank}.json")
+    sched.export_chrome_trace(out)
+    with open(out) as f:
+        events = json.load(f)["traceEvents"]
+    return {"trace": sched.trace(), "events": events, "actions": sched.program.actions(rank)}
+
+
+def test_trace_records_every_action_and_exports_chrome_json():
+    with tempfile.TemporaryDirectory() as tmp:
+        results, codes, leftover = run_world(2, _trace_world, tmp, timeout=120)
+    assert not leftover and sorted(results) == [0, 1], (results, codes)
+    for rank, res in results.items():
+        assert "error" not in res, res["error"]
+        names = "+".join(r["action"] for r in res["trace"]).split("+")
+        assert names == res["actions"]  # comm batches join their actions with '+'
+        for r in res["trace"]:
+            assert r["rank"] == rank and r["host_end_ns"] >= r["host_start_ns"] >= 0
+            assert 0 <= r["wait_ns"] <= r["host_end_ns"] - r["host_start_ns"]
+            assert r["device_start_us"] == -1.0  # CPU: host times only
+        assert [e["name"] for e in res["events"]] == [r["action"] for r in res["trace"]]
+        assert all(e["ph"] == "X" and e["pid"] == rank for e in res["events"])
+
+
+def _one_rank_world(rank, pp):
+    failures = []
+    for name in ("zbv", "interleaved_zb", "gpipe"):
+        num_stages = zbpipe.compile(name, 1, 4).num_stages
+        mods = build("twice", num_stages)
+        ref = [m for m in build("twice", num_stages)]
+        x, y = data("twice", 8)
+        F.mse_loss(call_chain(ref, x), y).backward()
+        stages = [zbpipe.PipelineStage(m, s, num_stages, "cpu") for s, m in enumerate(mods)]
+        losses = []
+        zbpipe.get_schedule_class(name)(stages, 4, loss_fn=F.mse_loss).step(x, target=y, losses=losses)
+        for m, r in zip(mods, ref):
+            for (n, p), q in zip(m.named_parameters(), r.parameters()):
+                same = (p.grad is None and q.grad is None) or (
+                    p.grad is not None and q.grad is not None and torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6))
+                if not same:
+                    failures.append(f"{name}: {n}")
+    return {"failures": failures}
+
+
+def test_one_rank_pipeline_hands_tensors_over_locally():
+    results, codes, leftover = run_world(1, _one_rank_world, timeout=60)
+    assert not leftover and 0 in results, (results, codes)
+    assert "error" not in results[0], results[0]["error"]
+    assert not results[0]["failures"], results[0]["failures"]

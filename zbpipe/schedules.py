@@ -1,0 +1,203 @@
+"""Schedule classes with torch.distributed.pipelining's names and step() semantics, each a
+thin mapping to a zbpipe.compile() name; the C++ executor runs the compiled program.
+
+    sched = zbpipe.Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
+    out = sched.step(x, target=y, losses=losses)   # x on the first stage, y on the last
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from . import _C, _tree
+from .schedule_api import compile as _compile
+from .stage import PipelineStage
+
+
+@functools.lru_cache(maxsize=256)
+def _program(name: str, pp: int, microbatches: int, stages_per_rank: int, forward_only: bool):
+    """Compiled (lowered, validated) program, cached per schedule and microbatch count."""
+    if not forward_only:
+        return _compile(name, pp, microbatches, stages_per_rank or None)
+    # Forward only: the schedule's forwards, in its order and topology, lowered again.
+    return _C.forward_only(_C.build(name, pp, microbatches, stages_per_rank))
+
+
+def _split(value: Any, n: int, what: str) -> list:
+    """Chunks along dim 0 into n equal microbatches (tensors); other values are replicated."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() == 0 or value.size(0) % n != 0:
+            size = value.size(0) if value.dim() else "a 0-d tensor"
+            raise ValueError(
+                f"zbpipe: {what} has batch size {size}, which is not divisible by "
+                f"n_microbatches={n}"
+            )
+        return list(value.split(value.size(0) // n))
+    if isinstance(value, (tuple, list)):
+        cols = [_split(v, n, f"{what}[{i}]") for i, v in enumerate(value)]
+        return [type(value)(c[i] for c in cols) for i in range(n)]
+    if isinstance(value, dict):
+        cols = {k: _split(v, n, f"{what}[{k!r}]") for k, v in value.items()}
+        return [{k: c[i] for k, c in cols.items()} for i in range(n)]
+    return [value] * n
+
+
+def _merge(chunks: list) -> Any:
+    first = chunks[0]
+    if isinstance(first, torch.Tensor):
+        return torch.cat(chunks) if first.dim() > 0 else torch.stack(chunks)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_merge([c[i] for c in chunks]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _merge([c[k] for c in chunks]) for k in first}
+    return chunks
+
+
+class PipelineSchedule:
+    """Base of every schedule class: `schedule` is the zbpipe.compile() name.
+
+    Args:
+        stages: this rank's PipelineStage, or the list of them (multi-stage schedules).
+        n_microbatches: microbatches per step (the batch must split evenly).
+        loss_fn: loss_fn(output, target) on the last stage; None runs forward only.
+        scale_grads: gradients of the mean microbatch loss (as one full-batch mean loss).
+        timeout: seconds any single wait may take before the step fails on this rank.
+        device_timing: record per-action device times (accelerators) in trace().
+    """
+
+    schedule: str = ""
+
+    def __init__(
+        self,
+        stages: PipelineStage | list[PipelineStage],
+        n_microbatches: int,
+        loss_fn: Callable | None = None,
+        *,
+        scale_grads: bool = True,
+        timeout: float = 300.0,
+        device_timing: bool = False,
+    ):
+        self._stages = [stages] if isinstance(stages, PipelineStage) else sorted(stages, key=lambda s: s.stage_index)
+        if not self._stages:
+            raise ValueError("a schedule needs at least one stage")
+        if n_microbatches < 1:
+            raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
+        group = self._stages[0].group
+        for s in self._stages:
+            if s.group is not group and s.group_size != self._stages[0].group_size:
+                raise ValueError("all stages of a schedule must share one process group")
+        self._n = n_microbatches
+        self._loss_fn = loss_fn
+        self._has_backward = loss_fn is not None
+        self._scale_grads = scale_grads
+        self._timeout = float(timeout)
+        self._device_timing = device_timing
+        self._group = group
+        pp = self._stages[0].group_size
+        num_stages = self._stages[0].num_stages
+        if num_stages % pp != 0:
+            raise ValueError(f"num_stages={num_stages} is not a multiple of the group size {pp}")
+        self._program = _program(self.schedule, pp, n_microbatches, num_stages // pp, not self._has_backward)
+        self._executor: _C.Executor | None = None
+
+    @property
+    def program(self) -> _C.Program:
+        return self._program
+
+    def _get_executor(self) -> _C.Executor:
+        if self._executor is None:
+            self._executor = _C.Executor(
+                self._program,
+                self._group,
+                {s.stage_index: s for s in self._stages},
+                self._stages[0].device,
+                self._timeout,
+                self._device_timing,
+            )
+        return self._executor
+
+    def step(self, *args, target=None, losses: list | None = None, **kwargs):
+        """One pipelined step over the whole batch: args on the first stage's rank, target on
+        the last; kwargs (chunked when they are tensors) reach every stage. Gradients
+        accumulate into .grad. Returns the merged output on the last stage, else None."""
+        n = self._n
+        mb_args = _split(tuple(args), n, "argument") if any(s.is_first for s in self._stages) else None
+        mb_kwargs = _split(dict(kwargs), n, "keyword argument") if kwargs else None
+        mb_targets = None
+        if any(s.is_last for s in self._stages) and self._loss_fn is not None:
+            if target is None:
+                raise ValueError("zbpipe: the last stage needs target= when a loss_fn is set")
+            mb_targets = _split(target, n, "target")
+        scale = 1.0 / n if self._scale_grads else 1.0
+        for s in self._stages:
+            s._begin(mb_args if s.is_first else None, mb_kwargs, mb_targets if s.is_last else None,
+                     self._loss_fn, self._has_backward, scale)
+        try:
+            self._get_executor().run()
+            last = next((s for s in self._stages if s.is_last), None)
+            if last is None:
+                return None
+            if losses is not None and self._loss_fn is not None:
+                losses.extend(last.losses[i] for i in range(n))
+            return _merge([last.outputs[i] for i in range(n)])
+        finally:
+            for s in self._stages:
+                s._end()
+
+    def trace(self) -> list[dict]:
+        """Per-action timing of the last step (host ns; device us when timed)."""
+        return self._executor.trace() if self._executor is not None else []
+
+    def export_chrome_trace(self, path: str) -> None:
+        if self._executor is None:
+            raise RuntimeError("no step has run yet")
+        self._executor.export_chrome_trace(path)
+
+
+def _schedule_class(class_name: str, schedule: str, doc: str = "") -> type:
+    """A schedule class for a compile() name: one line per schedule."""
+    return type(class_name, (PipelineSchedule,), {"schedule": schedule, "__doc__": doc or f"zbpipe '{schedule}' schedule."})
+
+
+ScheduleGPipe = _schedule_class("ScheduleGPipe", "gpipe", "All forwards, then all backwards.")
+Schedule1F1B = _schedule_class("Schedule1F1B", "1f1b", "One forward, one backward (PipeDream-flush).")
+ScheduleLoopedBFS = _schedule_class("ScheduleLoopedBFS", "looped_bfs", "Looped breadth-first, several stages per rank.")
+ScheduleInterleaved1F1B = _schedule_class("ScheduleInterleaved1F1B", "interleaved_1f1b", "Interleaved 1F1B (Megatron virtual stages).")
+ScheduleInterleavedZeroBubble = _schedule_class("ScheduleInterleavedZeroBubble", "interleaved_zb", "Interleaved zero bubble (ZB1P).")
+ScheduleZBVZeroBubble = _schedule_class("ScheduleZBVZeroBubble", "zbv", "Zero bubble V schedule (two stages per rank).")
+ScheduleDualPipeV = _schedule_class("ScheduleDualPipeV", "dualpipev", "DualPipeV (overlapped F/B pairs on a V).")
+ScheduleZBH1 = _schedule_class("ScheduleZBH1", "zb_h1", "Zero bubble H1 (1F1B memory).")
+ScheduleZBH2 = _schedule_class("ScheduleZBH2", "zb_h2", "Zero bubble H2 (zero bubble, more memory).")
+ScheduleInference = _schedule_class("ScheduleInference", "inference", "Forward only.")
+
+_CLASSES = [
+    ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble, ScheduleDualPipeV, ScheduleZBH1,
+    ScheduleZBH2, ScheduleInference,
+]
+
+
+def _norm(name: str) -> str:
+    n = name.lower().replace("_", "").replace("-", "")
+    return n[len("schedule"):] if n.startswith("schedule") else n
+
+
+def get_schedule_class(name: str) -> type:
+    """PyTorch's schedule names (case-insensitive: "1F1B", "Interleaved1F1B", "ZBVZeroBubble",
+    "ScheduleGPipe", ...) or zbpipe.compile() names ("zbv", "zb_h1", ...). A compile() name
+    without a named class gets a generated one."""
+    key = _norm(name)
+    for cls in _CLASSES:
+        if key in (_norm(cls.__name__), _norm(cls.schedule)):
+            return cls
+    for sched in _C.schedule_names():
+        if key == _norm(sched):
+            cls = _schedule_class("Schedule_" + sched, sched)
+            _CLASSES.append(cls)
+            return cls
+    valid = sorted({c.__name__ for c in _CLASSES} | set(_C.schedule_names()))
+    raise ValueError(f"unknown schedule '{name}' (valid: {', '.join(valid)})")
