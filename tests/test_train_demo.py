@@ -30,6 +30,8 @@ def _run_demo(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.parametrize(
     "args",
     [
+        ("--lib", "zbpipe", "--schedule", "zbv"),  # the default: V topology, split I/W
+        ("--lib", "zbpipe", "--schedule", "1f1b"),  # one stage per rank, full backward
         ("--lib", "torch", "--schedule", "zbv"),  # the harness itself, against PyTorch's runtime
     ],
     ids=lambda a: "-".join(a[1::2]),
