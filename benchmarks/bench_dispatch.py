@@ -9,7 +9,10 @@ between barriers on rank 0. Sizes: `tiny` = four nn.Linear(16, 16) layers split 
 (host dispatch overhead dominates), `medium` = four nn.Linear(1024, 1024) layers. Extra columns:
 `floor` is the busiest rank's own compute, the same stages' F and full backward over all
 microbatches run locally with no communication (what a perfect runtime could approach, bubbles
-aside); `1proc` is all four layers and all microbatches in one process. Target: zbpipe/torch <= 0.5.
+aside); `1proc` is all four layers and all microbatches in one process; `min` columns are the
+best repetition (on a shared, oversubscribed machine Gloo's P2P latency swings by several times
+from one repetition to the next, for both libraries: compare medians of the same run only).
+Target: zbpipe/torch <= 0.5.
 """
 
 from __future__ import annotations
@@ -154,18 +157,20 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
             floor_t = torch.tensor([floor], device=device)
             dist.all_reduce(floor_t, op=dist.ReduceOp.MAX)
             med = {lib: statistics.median(t) for lib, t in times.items()}
+            best = {lib: min(t) for lib, t in times.items()}
             if rank == 0:
-                _print_row(size, schedule, med.get("torch"), med.get("zbpipe"), float(floor_t), one_proc)
+                _print_row(size, schedule, med.get("torch"), med.get("zbpipe"), float(floor_t), one_proc,
+                           best.get("torch"), best.get("zbpipe"))
 
 
 def _ms(t: float | None) -> str:
     return f"{t * 1e3:9.2f}" if t is not None else f"{'n/a':>9}"
 
 
-def _print_row(size, schedule, torch_t, zb_t, floor, one_proc) -> None:
+def _print_row(size, schedule, torch_t, zb_t, floor, one_proc, torch_min, zb_min) -> None:
     ratio = f"{zb_t / torch_t:8.2f}" if torch_t and zb_t else f"{'n/a':>8}"
-    print(f"{size:<7} {schedule:<17} {_ms(torch_t)} {_ms(zb_t)} {ratio} {_ms(floor)} {_ms(one_proc)}",
-          flush=True)
+    print(f"{size:<7} {schedule:<17} {_ms(torch_t)} {_ms(zb_t)} {ratio} {_ms(floor)} {_ms(one_proc)}"
+          f" {_ms(torch_min)} {_ms(zb_min)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -191,7 +196,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_dispatch: pp={ns.pp} microbatches={ns.microbatches} {backend} on {ns.device}, "
           f"torch {torch.__version__}; median of {ns.reps} reps x {ns.steps} steps after {ns.warmup} warm-up")
     print(f"{'size':<7} {'schedule':<17} {'torch ms':>9} {'zbpipe ms':>9} {'zb/torch':>8} "
-          f"{'floor ms':>9} {'1proc ms':>9}", flush=True)
+          f"{'floor ms':>9} {'1proc ms':>9} {'torch min':>9} {'zb min':>9}", flush=True)
     run_local(_bench, ns.pp, (a,), device=ns.device, timeout_s=ns.timeout, pg_timeout_s=300)
     return 0
 
