@@ -60,3 +60,9 @@ def test_pipelined_loss_matches_single_process(args):
 def test_bad_arguments_fail_fast():
     proc = _run_demo("--batch-size", "30", "--microbatches", "8")
     assert proc.returncode == 2 and "divisible" in proc.stderr, proc.stderr
+
+
+def test_invalid_schedule_size_fails_before_spawning():
+    proc = _run_demo("--schedule", "dualpipev", "--microbatches", "2", "--batch-size", "4")
+    assert proc.returncode == 2 and "dualpipev needs microbatches" in proc.stderr, proc.stderr
+    assert "step " not in proc.stdout

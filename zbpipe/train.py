@@ -130,6 +130,14 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         p.error("--pp, --microbatches and --steps must be >= 1")
     if a.batch_size % a.microbatches != 0:
         p.error(f"--batch-size ({a.batch_size}) must be divisible by --microbatches ({a.microbatches})")
+    if a.lib == "zbpipe":
+        import zbpipe  # validates (pp, microbatches) here, before any process starts
+
+        spr = num_stages // a.pp
+        try:
+            zbpipe.compile(a.schedule, a.pp, a.microbatches, spr if spr > 1 else None)
+        except zbpipe.ScheduleError as e:
+            p.error(str(e))
     if a.device == "cuda" and torch.cuda.device_count() < a.pp:
         p.error(f"--device cuda needs one GPU per rank: --pp {a.pp}, found {torch.cuda.device_count()}")
     if a.layers is not None and a.layers < num_stages:
