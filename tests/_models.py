@@ -19,8 +19,9 @@ class MLPStage(nn.Module):
         self.fc1 = nn.Linear(WIDTH, 2 * WIDTH)
         self.fc2 = nn.Linear(2 * WIDTH, WIDTH)
 
-    def forward(self, x, gain=1.0):  # a non-tensor kwarg every stage receives
-        return self.fc2(torch.tanh(self.fc1(x))) * gain
+    def forward(self, x, gain=1.0, shift=None):  # kwargs every stage receives
+        y = self.fc2(torch.tanh(self.fc1(x))) * gain
+        return y if shift is None else y + shift  # shift: a per-sample tensor, chunked
 
 
 class BlockStage(nn.Module):

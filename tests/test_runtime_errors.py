@@ -37,7 +37,7 @@ class Lin(nn.Module):
         return y[:, :4] if self.calls == self.shrink_at_call else y
 
 
-def _attempt(rank, make_stage, batch=8, n=4):
+def _attempt(rank, make_stage, batch=8, n=4, timeout=WAIT_S):
     """One step on a fresh group; returns (exception type, message, seconds) or ok."""
     import torch.distributed as dist
 
@@ -46,7 +46,7 @@ def _attempt(rank, make_stage, batch=8, n=4):
     group = dist.new_group(list(range(PP)), backend="gloo")
     torch.manual_seed(0)
     stage = make_stage(group)
-    sched = zbpipe.Schedule1F1B(stage, n, loss_fn=F.mse_loss, timeout=WAIT_S)
+    sched = zbpipe.Schedule1F1B(stage, n, loss_fn=F.mse_loss, timeout=timeout)
     x, y = torch.randn(batch, 8), torch.randn(batch, 8)
     t0 = time.monotonic()
     try:
@@ -67,13 +67,22 @@ def _errors_world(rank, pp):
     def plain(group, **kw):
         return zbpipe.PipelineStage(Lin(**(kw if rank == 1 else {})), rank, PP, "cpu", group=group)
 
-    out = {}
+    out = {"warmup": _attempt(rank, plain, timeout=60)}  # first use (imports, lazy init) may be slow
     out["indivisible"] = _attempt(rank, plain, batch=10)
     out["declared_shape"] = _attempt(rank, lambda g: zbpipe.PipelineStage(
         Lin(), rank, PP, "cpu", group=g, input_args=torch.empty(2, 5) if rank == 1 else None))
     out["runtime_shape"] = _attempt(rank, lambda g: plain(g, shrink_at_call=3))
     out["stage_exception"] = _attempt(rank, lambda g: plain(g, fail_at_call=2))
     out["recovered"] = _attempt(rank, plain)  # a new group and schedule work again
+    # Stages placed as a loop where the schedule wants a V: refused before any message.
+    mods = [Lin() for _ in range(2 * PP)]
+    wrong = [zbpipe.PipelineStage(mods[s], s, 2 * PP, "cpu") for s in (rank, rank + PP)]
+    try:
+        zbpipe.ScheduleZBVZeroBubble(wrong, 4, loss_fn=F.mse_loss, timeout=WAIT_S).step(
+            *((torch.randn(8, 8),) if rank == 0 else ()), target=torch.randn(8, 8))
+        out["placement"] = ("ok", "", 0.0)
+    except Exception as e:  # noqa: BLE001
+        out["placement"] = (type(e).__name__, str(e), 0.0)
     return out
 
 
@@ -84,7 +93,11 @@ def _dying_world(rank, pp):
         # Rank 1 dies in its second forward: after the handshake, mid-step.
         return zbpipe.PipelineStage(Lin(die_at_call=2 if rank == 1 else None), rank, PP, "cpu", group=group)
 
-    return {"died": _attempt(rank, make)}
+    def plain(group):
+        return zbpipe.PipelineStage(Lin(), rank, PP, "cpu", group=group)
+
+    warmup = _attempt(rank, plain, timeout=60)  # first use (imports, lazy init) may be slow
+    return {"warmup": warmup, "died": _attempt(rank, make)}
 
 
 def _check_failure(res, rank, *needles):
@@ -101,6 +114,7 @@ def test_bad_input_fails_every_rank_cleanly():
     for rank in range(PP):
         assert "error" not in results[rank], results[rank].get("error")
         r = results[rank]
+        assert r["warmup"][0] == "ok", r["warmup"]
         # Indivisible batch: the ranks holding the batch / target say so at once; the middle
         # rank times out waiting for the first message and says where it waited.
         if rank in (0, PP - 1):
@@ -123,6 +137,13 @@ def test_bad_input_fails_every_rank_cleanly():
         else:
             _check_failure(r["stage_exception"], rank, f"rank {rank} failed at action")
         assert r["recovered"][0] == "ok", r["recovered"]
+        if rank != 1:  # rank 1 holds stages 1 and 4 in both layouts: it waits, then fails
+            assert r["placement"][0] == "ScheduleError", r["placement"]
+            _check_failure((("ValueError",) + r["placement"][1:]), rank,
+                           f"places stages [{rank}, {2 * PP - 1 - rank}] on rank {rank}",
+                           f"given stages [{rank}, {rank + PP}]")
+        else:
+            _check_failure(r["placement"], rank, "rank 1", "from rank 0")
 
 
 def test_dead_peer_fails_survivors_in_bounded_time():
@@ -131,5 +152,6 @@ def test_dead_peer_fails_survivors_in_bounded_time():
     assert codes[1] == 3 and 1 not in results
     for rank in (0, 2):
         assert "error" not in results[rank], results[rank].get("error")
+        assert results[rank]["warmup"][0] == "ok", results[rank]["warmup"]
         _check_failure(results[rank]["died"], rank, f"zbpipe: rank {rank} failed at action", "rank 1")
         assert codes[rank] == 0

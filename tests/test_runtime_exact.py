@@ -103,7 +103,7 @@ def _exact_world(rank, pp):
             continue
         for m in counts:
             for model in MODELS:
-                kwargs = {"gain": 0.5} if model == "mlp" else None
+                kwargs = {"gain": 0.5, "shift": data("mlp", 2 * m, seed=9)[0]} if model == "mlp" else None
                 failures.append(_check(zbpipe, rank, pp, name, m, model, kwargs=kwargs))
                 checked += 1
         m = counts[0]

@@ -43,3 +43,15 @@ def test_zbv_bubble_free_from_2p_minus_1(pp):
         assert idle == [0.0] * pp, (pp, m, idle)
         # 2p (stage, microbatch) activations per rank, each half a 1F1B microbatch: 1F1B's memory.
         assert res.peak_activations == [2 * pp] * pp
+
+
+@pytest.mark.parametrize("pp,m,v", [(4, 8, 2), (4, 16, 3), (5, 12, 2), (4, 3, 2), (8, 32, 2)])
+def test_interleaved_zb_memory_and_bubble_against_interleaved_1f1b(pp, m, v):
+    # ZB1P: w_r + 1 forwards in flight plus r pending W's gives the same peak on every rank,
+    # min((v-1)*per_round + p, v*m); interleaved 1F1B's rank r holds min(w_r + 1, v*m).
+    per_round = m // max(1, m // pp)
+    zb = zbpipe.simulate(zbpipe.compile("interleaved_zb", pp, m, v))
+    ref = zbpipe.simulate(zbpipe.compile("interleaved_1f1b", pp, m, v))
+    assert zb.peak_activations == [min((v - 1) * per_round + pp, v * m)] * pp
+    assert ref.peak_activations == [min((v - 1) * per_round + 2 * (pp - 1 - r) + 1, v * m) for r in range(pp)]
+    assert zb.bubble_rate < ref.bubble_rate

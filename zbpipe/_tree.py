@@ -33,6 +33,8 @@ def _spec(obj: Any, out: list[torch.Tensor], where: str) -> Any:
 
 def flatten(obj: Any, where: str = "output") -> tuple[list[torch.Tensor], str]:
     """Returns the tensors of `obj` in a fixed order and its structure string."""
+    if isinstance(obj, torch.Tensor):  # the common case, without building a string
+        return [obj], '"T"'
     out: list[torch.Tensor] = []
     spec = _spec(obj, out, where)
     return out, json.dumps(spec, separators=(",", ":"))
@@ -49,10 +51,26 @@ def _build(spec: Any, it) -> Any:
     return {k: _build(s, it) for k, s in items}
 
 
-def unflatten(tensors: list[torch.Tensor], structure: str) -> Any:
-    """Inverse of flatten."""
+class Parsed:
+    """A parsed structure string (parse once, unflatten per microbatch)."""
+
+    __slots__ = ("spec",)
+
+    def __init__(self, structure: str):
+        self.spec = json.loads(structure)
+
+
+def parse(structure: str) -> Parsed:
+    return Parsed(structure)
+
+
+def unflatten(tensors: list[torch.Tensor], structure: str | Parsed) -> Any:
+    """Inverse of flatten; `structure` is the string or its parse()d form."""
+    spec = structure.spec if isinstance(structure, Parsed) else json.loads(structure)
+    if spec == "T" and len(tensors) == 1:
+        return tensors[0]
     it = iter(tensors)
-    value = _build(json.loads(structure), it)
+    value = _build(spec, it)
     if next(it, None) is not None:
         raise ValueError(f"more tensors than the structure {structure} holds")
     return value

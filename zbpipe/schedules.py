@@ -11,15 +11,14 @@ import functools
 from typing import Any, Callable
 
 import torch
-import torch.distributed as dist
 
-from . import _C, _tree
+from . import _C
 from .schedule_api import compile as _compile
 from .stage import PipelineStage
 
 
 @functools.lru_cache(maxsize=256)
-def _program(name: str, pp: int, microbatches: int, stages_per_rank: int, forward_only: bool):
+def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int, forward_only: bool):
     """Compiled (lowered, validated) program, cached per schedule and microbatch count."""
     if not forward_only:
         return _compile(name, pp, microbatches, stages_per_rank or None)
@@ -64,12 +63,15 @@ class PipelineSchedule:
         stages: this rank's PipelineStage, or the list of them (multi-stage schedules).
         n_microbatches: microbatches per step (the batch must split evenly).
         loss_fn: loss_fn(output, target) on the last stage; None runs forward only.
-        scale_grads: gradients of the mean microbatch loss (as one full-batch mean loss).
+        scale_grads: gradients of the mean microbatch loss (as one full-batch mean loss); the
+            scaling is applied to each microbatch loss before its backward, so gradients
+            accumulated from earlier steps are not rescaled.
         timeout: seconds any single wait may take before the step fails on this rank.
         device_timing: record per-action device times (accelerators) in trace().
     """
 
     schedule: str = ""
+    forward_only: bool = False  # the schedule has no backward (inference)
 
     def __init__(
         self,
@@ -77,10 +79,18 @@ class PipelineSchedule:
         n_microbatches: int,
         loss_fn: Callable | None = None,
         *,
+        args_chunk_spec=None,
+        kwargs_chunk_spec=None,
+        output_merge_spec=None,
         scale_grads: bool = True,
         timeout: float = 300.0,
         device_timing: bool = False,
+        _program: _C.Program | None = None,
     ):
+        if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
+            raise NotImplementedError(
+                "zbpipe splits tensors along dim 0 and concatenates outputs along dim 0; custom "
+                "chunk/merge specs are not supported")
         self._stages = [stages] if isinstance(stages, PipelineStage) else sorted(stages, key=lambda s: s.stage_index)
         if not self._stages:
             raise ValueError("a schedule needs at least one stage")
@@ -92,7 +102,7 @@ class PipelineSchedule:
                 raise ValueError("all stages of a schedule must share one process group")
         self._n = n_microbatches
         self._loss_fn = loss_fn
-        self._has_backward = loss_fn is not None
+        self._has_backward = loss_fn is not None and not self.forward_only
         self._scale_grads = scale_grads
         self._timeout = float(timeout)
         self._device_timing = device_timing
@@ -101,12 +111,28 @@ class PipelineSchedule:
         num_stages = self._stages[0].num_stages
         if num_stages % pp != 0:
             raise ValueError(f"num_stages={num_stages} is not a multiple of the group size {pp}")
-        self._program = _program(self.schedule, pp, n_microbatches, num_stages // pp, not self._has_backward)
+        if _program is not None:
+            if _program.pp != pp or _program.num_stages != num_stages:
+                raise ValueError(
+                    f"program '{_program.schedule}' has pp={_program.pp}, num_stages="
+                    f"{_program.num_stages}; the stages say pp={pp}, num_stages={num_stages}")
+            self._program = _program
+        else:
+            self._program = _cached_program(self.schedule, pp, n_microbatches, num_stages // pp, not self._has_backward)
         self._executor: _C.Executor | None = None
 
     @property
     def program(self) -> _C.Program:
         return self._program
+
+    @classmethod
+    def from_program(cls, stages, program: _C.Program, loss_fn: Callable | None = None, **kwargs) -> "PipelineSchedule":
+        """A schedule running a given lowered program (e.g. zbpipe.Program.from_csv of a
+        PyTorch CSV); its microbatch count is the program's."""
+        self = cls.__new__(cls)
+        self.schedule = program.schedule
+        PipelineSchedule.__init__(self, stages, program.microbatches, loss_fn, _program=program, **kwargs)
+        return self
 
     def _get_executor(self) -> _C.Executor:
         if self._executor is None:
@@ -128,20 +154,21 @@ class PipelineSchedule:
         mb_args = _split(tuple(args), n, "argument") if any(s.is_first for s in self._stages) else None
         mb_kwargs = _split(dict(kwargs), n, "keyword argument") if kwargs else None
         mb_targets = None
-        if any(s.is_last for s in self._stages) and self._loss_fn is not None:
+        has_last = any(s.is_last for s in self._stages)
+        if has_last and self._loss_fn is not None and (target is not None or self._has_backward):
             if target is None:
                 raise ValueError("zbpipe: the last stage needs target= when a loss_fn is set")
             mb_targets = _split(target, n, "target")
         scale = 1.0 / n if self._scale_grads else 1.0
         for s in self._stages:
             s._begin(mb_args if s.is_first else None, mb_kwargs, mb_targets if s.is_last else None,
-                     self._loss_fn, self._has_backward, scale)
+                     self._loss_fn if mb_targets is not None else None, self._has_backward, scale)
         try:
             self._get_executor().run()
             last = next((s for s in self._stages if s.is_last), None)
             if last is None:
                 return None
-            if losses is not None and self._loss_fn is not None:
+            if losses is not None and mb_targets is not None:
                 losses.extend(last.losses[i] for i in range(n))
             return _merge([last.outputs[i] for i in range(n)])
         finally:
@@ -158,9 +185,11 @@ class PipelineSchedule:
         self._executor.export_chrome_trace(path)
 
 
-def _schedule_class(class_name: str, schedule: str, doc: str = "") -> type:
+def _schedule_class(class_name: str, schedule: str, doc: str = "", forward_only: bool = False) -> type:
     """A schedule class for a compile() name: one line per schedule."""
-    return type(class_name, (PipelineSchedule,), {"schedule": schedule, "__doc__": doc or f"zbpipe '{schedule}' schedule."})
+    attrs = {"schedule": schedule, "forward_only": forward_only,
+             "__doc__": doc or f"zbpipe '{schedule}' schedule.", "__module__": __name__}
+    return type(class_name, (PipelineSchedule,), attrs)
 
 
 ScheduleGPipe = _schedule_class("ScheduleGPipe", "gpipe", "All forwards, then all backwards.")
@@ -172,7 +201,7 @@ ScheduleZBVZeroBubble = _schedule_class("ScheduleZBVZeroBubble", "zbv", "Zero bu
 ScheduleDualPipeV = _schedule_class("ScheduleDualPipeV", "dualpipev", "DualPipeV (overlapped F/B pairs on a V).")
 ScheduleZBH1 = _schedule_class("ScheduleZBH1", "zb_h1", "Zero bubble H1 (1F1B memory).")
 ScheduleZBH2 = _schedule_class("ScheduleZBH2", "zb_h2", "Zero bubble H2 (zero bubble, more memory).")
-ScheduleInference = _schedule_class("ScheduleInference", "inference", "Forward only.")
+ScheduleInference = _schedule_class("ScheduleInference", "inference", "Forward only (a loss_fn is still applied to report losses).", forward_only=True)
 
 _CLASSES = [
     ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B,

@@ -30,7 +30,11 @@ class PipelineStage:
         output_args: example microbatch output; by default inferred (a meta-device run where
             the module allows, else one real no-grad forward).
         deferred_linear: run the nn.Linear layers' weight gradients as queued work in the W
-            action instead of splitting the autograd graph.
+            action instead of splitting the autograd graph (the layers' ``forward`` is
+            replaced on the instances, so build the stage from the module you train).
+
+    Shapes are fixed at the first step: every microbatch of every later step must match, and
+    a stage producing another shape fails on its rank with both shapes named.
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class PipelineStage:
         self._output_args = output_args
         self._linear = DeferredLinearHook(submodule) if deferred_linear else None
         self._in_structure: str | None = None
+        self._in_parsed: Any = None
         self._in_differentiable: list[bool] = []
         self._out_structure: str | None = None
         self._begin(None, None, None, None, False, 1.0)
@@ -90,7 +95,7 @@ class PipelineStage:
         kwargs = self._mb_kwargs[mb] if self._mb_kwargs else {}
         if self.is_first:
             return self.submod(*self._mb_args[mb], **kwargs)
-        args, named = _tree.as_call_args(_tree.unflatten(inputs, self._in_structure))
+        args, named = _tree.as_call_args(_tree.unflatten(inputs, self._in_parsed))
         return self.submod(*args, **named, **kwargs)
 
     def _zb_forward(self, mb: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -178,6 +183,7 @@ class PipelineStage:
         else:
             got = [(tuple(s), d) for s, d in specs]
             self._in_structure = structure
+            self._in_parsed = _tree.parse(structure)
             self._in_differentiable = [_tree.differentiable(d) for _, d in got]
             where = f"stage {self.stage_index - 1}'s outputs"
         if self._input_args is not None:

@@ -151,6 +151,16 @@ void Executor::build_dispatch() {
   slots_.assign(stage_ids_.size() * static_cast<size_t>(m), Slot{});
 }
 
+void Executor::abandon_in_flight() {
+  for (auto& b : pending_sends_) P2P::abandon(std::move(b));
+  pending_sends_.clear();
+  for (auto& sl : slots_) {
+    P2P::abandon(std::move(sl.fwd_recv));
+    P2P::abandon(std::move(sl.grad_recv));
+  }
+  slots_.assign(slots_.size(), Slot{});
+}
+
 void Executor::fail(int index, const std::string& what) {
   broken_ = true;
   const auto& acts = program_.ranks[rank_];
@@ -310,8 +320,7 @@ void Executor::run() {
     try {
       run_entry(e, rec);
     } catch (const std::exception& ex) {
-      pending_sends_.clear();
-      slots_.assign(slots_.size(), Slot{});
+      abandon_in_flight();
       fail(e.index, ex.what());
     }
     timer_->mark(i, true);
@@ -320,7 +329,7 @@ void Executor::run() {
   try {
     for (auto& b : pending_sends_) p2p_->wait(*b, options_.timeout, "a send of this step");
   } catch (const std::exception& ex) {
-    pending_sends_.clear();
+    abandon_in_flight();
     fail(-1, ex.what());
   }
   pending_sends_.clear();

@@ -76,6 +76,8 @@ class Executor {
                      const char* what, int stage, int mb) const;
   Slot& slot(int local, int mb) { return slots_[static_cast<size_t>(local) * program_.microbatches + mb]; }
   [[noreturn]] void fail(int index, const std::string& what);
+  // After a failure: unfinished batches stay alive (see P2P::abandon), step state is dropped.
+  void abandon_in_flight();
 
   Program program_;
   std::unique_ptr<P2P> p2p_;

@@ -102,9 +102,15 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
   auto recv = [&](int stage, bool backward, int peer) {
     auto buf = at::empty({kMessageBytes}, at::TensorOptions().dtype(at::kByte).device(p2p.device()));
     auto batch = p2p.post({P2POp{false, peer, handshake_tag(stage, backward), buf}});
-    p2p.wait(*batch, timeout, detail::str("handshake: receiving stage ", stage,
-                                          backward ? "'s outcome" : "'s input signature",
-                                          " from rank ", peer));
+    try {
+      p2p.wait(*batch, timeout, detail::str("handshake: receiving stage ", stage,
+                                            backward ? "'s outcome" : "'s input signature",
+                                            " from rank ", peer));
+    } catch (...) {
+      P2P::abandon(batch);
+      for (auto& b : sends) P2P::abandon(b);
+      throw;
+    }
     return decode(buf);
   };
   auto send = [&](const Message& m, int stage, bool backward, int peer) {
@@ -144,7 +150,12 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
     outcome = m;
     if (s > 0 && p.rank_of(s - 1) != me) send(m, s - 1, true, p.rank_of(s - 1));
   }
-  for (auto& b : sends) p2p.wait(*b, timeout, "handshake: completing a send");
+  try {
+    for (auto& b : sends) p2p.wait(*b, timeout, "handshake: completing a send");
+  } catch (...) {
+    for (auto& b : sends) P2P::abandon(b);
+    throw;
+  }
   if (outcome.status != 0)
     throw PipelineError(detail::str("pipeline handshake failed at stage ", outcome.failed_stage,
                                     " (rank ", outcome.failed_rank, "): ", outcome.sig.structure));

@@ -51,8 +51,10 @@ class P2P {
   // wait on the communication (the process group's own timeout watches the device side).
   // `what` (e.g. "1RECV_F0 from rank 0") goes into the error message.
   void wait(Batch& batch, std::chrono::milliseconds timeout, const std::string& what);
-  // Is the batch's communication finished on the host side (no wait)?
-  static bool waited(const Batch& batch);
+  // Keeps an unfinished batch (its works and buffers) alive for the rest of the process: after
+  // a failure a late message may still land in a posted receive buffer, which must not have
+  // been freed. Costs the batch's memory, only on failure.
+  static void abandon(std::shared_ptr<Batch> batch);
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;

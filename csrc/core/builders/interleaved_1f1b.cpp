@@ -4,7 +4,8 @@
 // `per_round` microbatches (PyTorch's flexible rounds: max(1, m / p) rounds, so m need not be a
 // multiple of p, only of the round count).
 // Rank r: warm-up w_r = min((v-1)*per_round + 2*(p-1-r), v*m) forwards, then one forward and
-// one full backward per step, then w_r backwards. Bubble about 1/v of 1F1B's at equal costs.
+// one full backward per step, then w_r backwards. Rank r peaks at min(w_r + 1, v*m)
+// (stage, microbatch) units; bubble about 1/v of 1F1B's at equal costs.
 #include <algorithm>
 
 #include "interleaved_rank_ops.h"

@@ -3,6 +3,8 @@
 
 #include <algorithm>
 
+#include "zbpipe/error.h"
+
 namespace zbpipe::detail {
 
 InterleavedShape interleaved_shape(int pp, int local_stages, int microbatches) {
@@ -47,6 +49,13 @@ void interleaved_rank_ops(const InterleavedShape& s, int r, int warmup, bool zer
     }
   }
   while (zero_bubble && weights < total) emit_weight();
+  // End state: every local stage ran m forwards and m backwards (and m W's when split); this
+  // is what the rounds rule guarantees.
+  for (int j = 0; j < v; ++j)
+    ZB_CHECK(next[j] == s.microbatches && next[v + j] == s.microbatches &&
+                 next[2 * v + j] == (zero_bubble ? s.microbatches : 0),
+             "interleaved rank ", r, " local stage ", j, ": F ", next[j], ", backward ", next[v + j],
+             ", W ", next[2 * v + j], ", m=", s.microbatches);
 }
 
 }  // namespace zbpipe::detail

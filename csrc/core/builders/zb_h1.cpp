@@ -4,9 +4,10 @@
 // r W's are pending (rank r defers r weight passes, so rank p-1 runs F I F I ... at first and
 // its I's, on the critical path, reach the earlier ranks sooner); then the cool-down I's, each
 // followed by a W under the same rule; then the r deferred W's.
-// Peak activations (F start to W end): min(m, p) on every rank, never above 1F1B's peak
-// (rank 0's min(m, p)). At equal F/I/W costs each rank idles p-1-r at the start and nothing
-// after, so the span-based bubble is (p-1)/(3m+p-1): about 1/3 of 1F1B's (p-1)/(m+p-1).
+// Peak activations (F start to W end): at most min(m, p) on every rank, never above 1F1B's peak
+// (rank 0's min(m, p)). At equal F/I/W costs rank r's span holds p-1-r idle units (waiting for
+// its first I) and no other, so the span-based bubble is (p-1)/(3m+p-1): about 1/3 of 1F1B's
+// (p-1)/(m+p-1) for large m.
 #include <algorithm>
 
 #include "zbpipe/builders.h"

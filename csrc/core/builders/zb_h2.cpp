@@ -3,7 +3,7 @@
 // fill the bubble after the last one. One stage per rank, backward split into I and W.
 //
 // Rank r (of p) for m >= 2p-1 microbatches, slots of one unit at equal F/I/W costs:
-//   Phase 1  2p-1-2r forwards (rank 0 holds 2p-1 microbatches: the peak)
+//   Phase 1  2p-1-2r forwards (rank 0 then holds 2p-1 microbatches, its peak)
 //   Phase 2  I, then p-1 times: X, I   where X = F for the first r, else W
 //   Phase 3  m-2p+1 times: W, F, I
 //   Phase 4  p-1 times: X, I           where X = F for the first r, else W
@@ -14,7 +14,8 @@
 // rank is busy from its first start to its last end: span 3m, bubble 0. That needs m >= 2p-1
 // (phase 3 non-negative). For smaller m the order is built for 2p-1 microbatches and the
 // phantom ones are dropped (a valid program minus whole microbatches stays valid), which keeps
-// it correct but not bubble-free. Peak activations <= 2p-1 on every rank.
+// it correct but not bubble-free (2p-1-m idle units on the busiest rank). Peak activations
+// <= 2p-1 on every rank (rank p-1 reaches it at the end of phase 4).
 #include <algorithm>
 
 #include "zbpipe/builders.h"
