@@ -104,7 +104,7 @@ def build_pipeline(
     stages = []
     for s in local:
         kwargs: dict[str, Any] = {"group": group}
-        if io_examples is not None and lib != "torch":
+        if io_examples is not None:
             kwargs["input_args"], kwargs["output_args"] = io_examples(s)
         stages.append(mod.PipelineStage(modules[s].to(device), s, num_stages, device, **kwargs))
     cls = getattr(mod, "Schedule" + spec.class_name)

@@ -112,14 +112,16 @@ def build_stages(cfg: TinyConfig, num_stages: int, seed: int) -> list[Stage]:
 def stage_io_examples(
     cfg: TinyConfig, stage_index: int, num_stages: int, microbatch_size: int, device: torch.device
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Example (input, output) of one microbatch for a stage, for static shape declaration."""
+    """Example (input, output) of one microbatch for a stage, for static shape declaration.
+    Float tensors require grad: torch.distributed.pipelining reads that flag as "this tensor
+    carries a gradient" (without it on outputs, stage 0 is sent no gradient at all)."""
     b, t, d = microbatch_size, cfg.seq_len, cfg.d_model
     if stage_index == 0:
         x = torch.zeros(b, t, dtype=torch.long, device=device)
     else:
-        x = torch.empty(b, t, d, device=device)
+        x = torch.empty(b, t, d, device=device, requires_grad=True)
     out_dim = cfg.vocab if stage_index == num_stages - 1 else d
-    return x, torch.empty(b, t, out_dim, device=device)
+    return x, torch.empty(b, t, out_dim, device=device, requires_grad=True)
 
 
 def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
