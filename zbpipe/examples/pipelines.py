@@ -108,5 +108,6 @@ def build_pipeline(
             kwargs["input_args"], kwargs["output_args"] = io_examples(s)
         stages.append(mod.PipelineStage(modules[s].to(device), s, num_stages, device, **kwargs))
     cls = getattr(mod, "Schedule" + spec.class_name)
-    first = stages[0] if spec.stages_per_rank == 1 else stages
-    return cls(first, n_microbatches, loss_fn=loss_fn), local
+    # Single-stage schedule classes take the stage itself, multi-stage ones the list (PyTorch's API).
+    arg = stages[0] if spec.stages_per_rank == 1 else stages
+    return cls(arg, n_microbatches, loss_fn=loss_fn), local
