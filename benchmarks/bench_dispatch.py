@@ -6,7 +6,8 @@
 Both libraries run in the same spawned ranks, alternating repetition by repetition, after
 warm-up; each cell is the median over repetitions of (time of `--steps` steps) / steps, measured
 between barriers on rank 0. Sizes: `tiny` = four nn.Linear(16, 16) layers split over the stages
-(host dispatch overhead dominates), `medium` = four nn.Linear(1024, 1024) layers. Extra columns:
+(host dispatch overhead dominates), `medium` = four nn.Linear(1024, 1024) layers, `block` (not in
+the default set) = four pre-norm transformer blocks (d=256, seq 64). Extra columns:
 `floor` is the busiest rank's own compute, the same stages' F and full backward over all
 microbatches run locally with no communication (what a perfect runtime could approach, bubbles
 aside); `1proc` is all four layers and all microbatches in one process; `min` columns are the
@@ -21,6 +22,7 @@ import argparse
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -38,15 +40,21 @@ from zbpipe.examples.pipelines import (  # noqa: E402
     num_stages_for,
     spec_for,
 )
+from zbpipe.examples.tiny_transformer import Block, TinyConfig  # noqa: E402
 
-SIZES = {"tiny": (16, 4), "medium": (1024, 8)}  # width, rows per microbatch
+# size -> (one layer, shape of one microbatch)
+SIZES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "tiny": (lambda: nn.Linear(16, 16), (4, 16)),
+    "medium": (lambda: nn.Linear(1024, 1024), (8, 1024)),
+    "block": (lambda: Block(TinyConfig(seq_len=64, d_model=256, n_heads=4)), (2, 64, 256)),
+}
 LAYERS = 4
 
 
-def _modules(width: int, num_stages: int, seed: int) -> list[nn.Module]:
-    """LAYERS Linear layers (same init everywhere), grouped evenly into num_stages stages."""
+def _modules(size: str, num_stages: int, seed: int) -> list[nn.Module]:
+    """LAYERS layers of `size` (same init everywhere), grouped evenly into num_stages stages."""
     torch.manual_seed(seed)
-    layers = [nn.Linear(width, width) for _ in range(LAYERS)]
+    layers = [SIZES[size][0]() for _ in range(LAYERS)]
     per = LAYERS // num_stages
     return [nn.Sequential(*layers[s * per:(s + 1) * per]) for s in range(num_stages)]
 
@@ -82,10 +90,10 @@ def _time_steps(sched, local, params, num_stages, x, y, steps, device) -> float:
     return (time.perf_counter() - t0) / steps
 
 
-def _compute_floor(modules, local, mbs, width, rows, reps, device) -> float:
+def _compute_floor(modules, local, mbs, shape, reps, device) -> float:
     """This rank's stages: F then full backward for every microbatch, no communication."""
     modules = [m.to(device) for m in modules]
-    xs = [torch.randn(rows, width, device=device) for _ in range(mbs)]
+    xs = [torch.randn(shape, device=device) for _ in range(mbs)]
     times = []
     for _ in range(reps + 1):
         _sync(device)
@@ -102,9 +110,9 @@ def _compute_floor(modules, local, mbs, width, rows, reps, device) -> float:
     return statistics.median(times[1:])
 
 
-def _one_process(width, rows, mbs, reps, device) -> float:
-    model = nn.Sequential(*_modules(width, 1, 0)).to(device)
-    xs = [torch.randn(rows, width, device=device) for _ in range(mbs)]
+def _one_process(size, mbs, reps, device) -> float:
+    model = nn.Sequential(*_modules(size, 1, 0)).to(device)
+    xs = [torch.randn(SIZES[size][1], device=device) for _ in range(mbs)]
     times = []
     for _ in range(reps + 1):
         _sync(device)
@@ -116,9 +124,9 @@ def _one_process(width, rows, mbs, reps, device) -> float:
     return statistics.median(times[1:])
 
 
-def _build(lib, schedule, width, num_stages, rank, world, device, mbs):
+def _build(lib, schedule, size, num_stages, rank, world, device, mbs):
     """(schedule, local stages, params), or None on every rank if any rank cannot build it."""
-    modules = _modules(width, num_stages, 0)
+    modules = _modules(size, num_stages, 0)
     try:
         sched, local = build_pipeline(lib, schedule, modules, rank, world, device, mbs, _mse)
         err = None
@@ -134,16 +142,17 @@ def _build(lib, schedule, width, num_stages, rank, world, device, mbs):
 def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
     mbs, reps = a["microbatches"], a["reps"]
     for size in a["sizes"]:
-        width, rows = SIZES[size]
+        shape = SIZES[size][1]
+        batch = (shape[0] * mbs, *shape[1:])
         g = torch.Generator().manual_seed(1)
-        x = torch.randn(rows * mbs, width, generator=g).to(device)
-        y = torch.randn(rows * mbs, width, generator=g).to(device)
-        one_proc = _one_process(width, rows, mbs, reps, device) if rank == 0 else 0.0
+        x = torch.randn(batch, generator=g).to(device)
+        y = torch.randn(batch, generator=g).to(device)
+        one_proc = _one_process(size, mbs, reps, device) if rank == 0 else 0.0
         for schedule in a["schedules"]:
             num_stages = num_stages_for(schedule, world)
             runs = {}
             for lib in a["libs"]:
-                run = _build(lib, schedule, width, num_stages, rank, world, device, mbs)
+                run = _build(lib, schedule, size, num_stages, rank, world, device, mbs)
                 if run is not None:
                     runs[lib] = run
                     for _ in range(a["warmup"]):
@@ -153,7 +162,7 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
                 for lib, run in runs.items():
                     times[lib].append(_time_steps(*run, num_stages, x, y, a["steps"], device))
             local = local_stages(schedule, rank, world, num_stages)
-            floor = _compute_floor(_modules(width, num_stages, 0), local, mbs, width, rows, reps, device)
+            floor = _compute_floor(_modules(size, num_stages, 0), local, mbs, shape, reps, device)
             floor_t = torch.tensor([floor], device=device)
             dist.all_reduce(floor_t, op=dist.ReduceOp.MAX)
             med = {lib: statistics.median(t) for lib, t in times.items()}
