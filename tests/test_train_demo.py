@@ -3,6 +3,7 @@ exit 0, print progress, and its pipelined loss must equal the single-process los
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -36,8 +37,9 @@ def _run_demo(*args: str) -> subprocess.CompletedProcess:
     ],
     ids=lambda a: "-".join(a[1::2]),
 )
-def test_pipelined_loss_matches_single_process(args):
-    proc = _run_demo(*args)
+def test_pipelined_loss_matches_single_process(args, tmp_path):
+    zb = args[1] == "zbpipe"
+    proc = _run_demo(*args, *(("--trace", str(tmp_path / "t")) if zb else ()))
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
     progress = PROGRESS.findall(out)
@@ -55,6 +57,10 @@ def test_pipelined_loss_matches_single_process(args):
     # Same math, only reassociated: equal to float tolerance (and the untrained loss is ~ln 16).
     assert abs(piped - single) <= 1e-5 * max(1.0, abs(single)), (piped, single)
     assert float(worst) <= 1e-5 and 1.0 < single < 3.5
+    if zb:  # each rank wrote its last step's trace, with the schedule's compute actions in it
+        for rank in (0, 1):
+            events = json.loads((tmp_path / f"t.rank{rank}.json").read_text())["traceEvents"]
+            assert any(re.fullmatch(r"\d+F7", e["name"]) for e in events), events[:3]
 
 
 def test_bad_arguments_fail_fast():

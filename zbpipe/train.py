@@ -48,6 +48,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--tol", type=float, default=1e-4,
                    help="max |pipelined - single| final loss, relative to max(1, |loss|)")
     p.add_argument("--timeout", type=float, default=600.0, help="whole-run limit in seconds")
+    p.add_argument("--trace", metavar="PREFIX", default=None,
+                   help="--lib zbpipe: write each rank's last-step Chrome trace to PREFIX.rank<r>.json")
     return p
 
 
@@ -97,6 +99,8 @@ def _worker(rank: int, world: int, device: torch.device, opts: dict[str, Any], o
             print(f"step {step + 1:>5}/{steps} | loss {history[-1]:.4f} | "
                   f"{tokens / dt:>9.0f} tok/s | {dt * 1e3:7.2f} ms/step", flush=True)
             window_t, window_steps = now, 0
+    if opts["trace"]:
+        sched.export_chrome_trace(f"{opts['trace']}.rank{rank}.json")
     if last:
         with open(out_path, "w") as f:
             json.dump(history, f)
@@ -130,6 +134,8 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         p.error("--pp, --microbatches and --steps must be >= 1")
     if a.batch_size % a.microbatches != 0:
         p.error(f"--batch-size ({a.batch_size}) must be divisible by --microbatches ({a.microbatches})")
+    if a.trace and a.lib != "zbpipe":
+        p.error("--trace needs --lib zbpipe")
     if a.lib == "zbpipe":
         import zbpipe  # validates (pp, microbatches) here, before any process starts
 
