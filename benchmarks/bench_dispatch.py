@@ -1,0 +1,214 @@
+"""Per-step time of zbpipe vs torch.distributed.pipelining on the same stages and schedule.
+
+    PYTHONPATH=. python benchmarks/bench_dispatch.py            # CPU, Gloo, pp=2, 16 microbatches
+    PYTHONPATH=. python benchmarks/bench_dispatch.py --device cuda   # NCCL, one GPU per rank
+
+Both libraries run in the same spawned ranks, alternating repetition by repetition, after
+warm-up; each cell is the median over repetitions of (time of `--steps` steps) / steps, measured
+between barriers on rank 0. Sizes: `tiny` = four nn.Linear(16, 16) layers split over the stages
+(host dispatch overhead dominates), `medium` = four nn.Linear(1024, 1024) layers, `block` (not in
+the default set) = four pre-norm transformer blocks (d=256, seq 64). Extra columns:
+`floor` is the busiest rank's own compute, the same stages' F and full backward over all
+microbatches run locally with no communication (what a perfect runtime could approach, bubbles
+aside); `1proc` is all four layers and all microbatches in one process; `min` columns are the
+best repetition (on a shared, oversubscribed machine Gloo's P2P latency swings by several times
+from one repetition to the next, for both libraries: compare medians of the same run only).
+Target: zbpipe/torch <= 0.5.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
+
+from zbpipe.examples.launcher import run_local  # noqa: E402
+from zbpipe.examples.pipelines import (  # noqa: E402
+    SCHEDULES,
+    build_pipeline,
+    local_stages,
+    num_stages_for,
+    spec_for,
+)
+from zbpipe.examples.tiny_transformer import Block, TinyConfig  # noqa: E402
+
+# size -> (one layer, shape of one microbatch)
+SIZES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
+    "tiny": (lambda: nn.Linear(16, 16), (4, 16)),
+    "medium": (lambda: nn.Linear(1024, 1024), (8, 1024)),
+    "block": (lambda: Block(TinyConfig(seq_len=64, d_model=256, n_heads=4)), (2, 64, 256)),
+}
+LAYERS = 4
+
+
+def _modules(size: str, num_stages: int, seed: int) -> list[nn.Module]:
+    """LAYERS layers of `size` (same init everywhere), grouped evenly into num_stages stages."""
+    torch.manual_seed(seed)
+    layers = [SIZES[size][0]() for _ in range(LAYERS)]
+    per = LAYERS // num_stages
+    return [nn.Sequential(*layers[s * per:(s + 1) * per]) for s in range(num_stages)]
+
+
+def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    return F.mse_loss(out, target)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _all_agree(ok: bool, device: torch.device) -> bool:
+    """Every rank must take the same branch, or the ranks would deadlock."""
+    flag = torch.tensor([1.0 if ok else 0.0], device=device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def _time_steps(sched, local, params, num_stages, x, y, steps, device) -> float:
+    first, last = 0 in local, num_stages - 1 in local
+    args = (x,) if first else ()
+    tgt = y if last else None
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        for p in params:
+            p.grad = None
+        sched.step(*args, target=tgt)
+    _sync(device)
+    dist.barrier()
+    return (time.perf_counter() - t0) / steps
+
+
+def _compute_floor(modules, local, mbs, shape, reps, device) -> float:
+    """This rank's stages: F then full backward for every microbatch, no communication."""
+    modules = [m.to(device) for m in modules]
+    xs = [torch.randn(shape, device=device) for _ in range(mbs)]
+    times = []
+    for _ in range(reps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        for s in local:
+            outs = []
+            for x in xs:
+                x = x.requires_grad_(s != 0)
+                outs.append((x, modules[s](x)))
+            for _x, out in outs:
+                out.backward(torch.ones_like(out))
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _one_process(size, mbs, reps, device) -> float:
+    model = nn.Sequential(*_modules(size, 1, 0)).to(device)
+    xs = [torch.randn(SIZES[size][1], device=device) for _ in range(mbs)]
+    times = []
+    for _ in range(reps + 1):
+        _sync(device)
+        t0 = time.perf_counter()
+        for x in xs:
+            _mse(model(x), x).backward()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[1:])
+
+
+def _build(lib, schedule, size, num_stages, rank, world, device, mbs):
+    """(schedule, local stages, params), or None on every rank if any rank cannot build it."""
+    modules = _modules(size, num_stages, 0)
+    try:
+        sched, local = build_pipeline(lib, schedule, modules, rank, world, device, mbs, _mse)
+        err = None
+    except (ValueError, TypeError, AttributeError, NotImplementedError, RuntimeError) as e:
+        err = f"{type(e).__name__}: {e}"
+    if not _all_agree(err is None, device):
+        if rank == 0:
+            print(f"# {schedule} {lib}: n/a ({err or 'failed on another rank'})", flush=True)
+        return None
+    return sched, local, [p for s in local for p in modules[s].parameters()]
+
+
+def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
+    mbs, reps = a["microbatches"], a["reps"]
+    for size in a["sizes"]:
+        shape = SIZES[size][1]
+        batch = (shape[0] * mbs, *shape[1:])
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(batch, generator=g).to(device)
+        y = torch.randn(batch, generator=g).to(device)
+        one_proc = _one_process(size, mbs, reps, device) if rank == 0 else 0.0
+        for schedule in a["schedules"]:
+            num_stages = num_stages_for(schedule, world)
+            runs = {}
+            for lib in a["libs"]:
+                run = _build(lib, schedule, size, num_stages, rank, world, device, mbs)
+                if run is not None:
+                    runs[lib] = run
+                    for _ in range(a["warmup"]):
+                        _time_steps(*run, num_stages, x, y, 1, device)
+            times: dict[str, list[float]] = {lib: [] for lib in runs}
+            for _ in range(reps):  # alternate libraries so drift on a shared machine hits both
+                for lib, run in runs.items():
+                    times[lib].append(_time_steps(*run, num_stages, x, y, a["steps"], device))
+            local = local_stages(schedule, rank, world, num_stages)
+            floor = _compute_floor(_modules(size, num_stages, 0), local, mbs, shape, reps, device)
+            floor_t = torch.tensor([floor], device=device)
+            dist.all_reduce(floor_t, op=dist.ReduceOp.MAX)
+            med = {lib: statistics.median(t) for lib, t in times.items()}
+            best = {lib: min(t) for lib, t in times.items()}
+            if rank == 0:
+                _print_row(size, schedule, med.get("torch"), med.get("zbpipe"), float(floor_t), one_proc,
+                           best.get("torch"), best.get("zbpipe"))
+
+
+def _ms(t: float | None) -> str:
+    return f"{t * 1e3:9.2f}" if t is not None else f"{'n/a':>9}"
+
+
+def _print_row(size, schedule, torch_t, zb_t, floor, one_proc, torch_min, zb_min) -> None:
+    ratio = f"{zb_t / torch_t:8.2f}" if torch_t and zb_t else f"{'n/a':>8}"
+    print(f"{size:<7} {schedule:<17} {_ms(torch_t)} {_ms(zb_t)} {ratio} {_ms(floor)} {_ms(one_proc)}"
+          f" {_ms(torch_min)} {_ms(zb_min)}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--microbatches", type=int, default=16)
+    p.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zbv,dualpipev,zb_h1",
+                   help=f"comma list from {sorted(SCHEDULES)}")
+    p.add_argument("--sizes", default="tiny,medium", help=f"comma list from {sorted(SIZES)}")
+    p.add_argument("--libs", default="torch,zbpipe")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per library and row")
+    p.add_argument("--reps", type=int, default=7, help="timed repetitions (median reported)")
+    p.add_argument("--steps", type=int, default=5, help="steps per repetition")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--timeout", type=float, default=900.0)
+    ns = p.parse_args(argv)
+    a = vars(ns) | {k: getattr(ns, k).split(",") for k in ("schedules", "sizes", "libs")}
+    for s in a["schedules"]:
+        spec_for(s)
+    if ns.device == "cuda" and torch.cuda.device_count() < ns.pp:
+        p.error(f"--device cuda needs {ns.pp} GPUs, found {torch.cuda.device_count()}")
+    backend = "NCCL" if ns.device == "cuda" else "Gloo"
+    print(f"# bench_dispatch: pp={ns.pp} microbatches={ns.microbatches} {backend} on {ns.device}, "
+          f"torch {torch.__version__}; median of {ns.reps} reps x {ns.steps} steps after {ns.warmup} warm-up")
+    print(f"{'size':<7} {'schedule':<17} {'torch ms':>9} {'zbpipe ms':>9} {'zb/torch':>8} "
+          f"{'floor ms':>9} {'1proc ms':>9} {'torch min':>9} {'zb min':>9}", flush=True)
+    run_local(_bench, ns.pp, (a,), device=ns.device, timeout_s=ns.timeout, pg_timeout_s=300)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""bench_dispatch runs end to end (one short row per library): it must build both libraries'
+pipelines on the same stages and print a complete row. No timing is asserted."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_bench_dispatch_prints_a_row_for_both_libraries():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_dispatch.py"), "--sizes", "tiny",
+         "--schedules", "zbv", "--microbatches", "4", "--warmup", "1", "--reps", "1", "--steps", "1",
+         "--timeout", "45"],
+        cwd=ROOT, capture_output=True, text=True, timeout=60,
+        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = re.search(r"^tiny\s+zbv\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", proc.stdout, re.M)
+    assert row, proc.stdout
+    torch_ms, zb_ms, ratio, floor_ms, _ = map(float, row.groups())
+    assert torch_ms > 0 and zb_ms > 0 and floor_ms > 0
+    assert abs(ratio - zb_ms / torch_ms) < 0.01 + 0.01 * ratio

@@ -1,0 +1,202 @@
+"""`python -m zbpipe.train`: pipelined training of a tiny transformer, checked against one process.
+
+Spawns `--pp` local ranks (Gloo on 127.0.0.1, or NCCL with --device cuda), splits the model of
+zbpipe.examples.tiny_transformer into pipeline stages, trains it on the synthetic Markov task
+with the chosen schedule, and prints step / loss / tokens-per-second from the rank that holds the
+last stage. Then it trains the same model (same seed, same batches, same optimizer) in this one
+process and prints both final losses and their difference: pipelining must not change the math,
+so they agree to float-reassociation tolerance (exit status 1 if they do not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import tempfile
+import time
+from typing import Any
+
+import torch
+from torch import nn
+
+from .examples.launcher import run_local
+from .examples.pipelines import LIBRARIES, SCHEDULES, build_pipeline, num_stages_for, spec_for, stage_to_rank
+from .examples.synthetic import MarkovTask
+from .examples.tiny_transformer import TinyConfig, build_stages, lm_loss, stage_io_examples
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="zbpipe train",
+        description="Pipelined training of a tiny transformer, checked against the same model "
+        "trained in one process (same seed, data and optimizer).",
+    )
+    p.add_argument("--schedule", default="zbv", choices=sorted(SCHEDULES))
+    p.add_argument("--lib", default="zbpipe", choices=LIBRARIES,
+                   help="pipeline library: zbpipe, or torch.distributed.pipelining for comparison")
+    p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
+    p.add_argument("--stages-per-rank", type=int, default=None,
+                   help="loop-style multi-stage schedules only (default: the schedule's own)")
+    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step (whole batch)")
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--layers", type=int, default=None, help="transformer blocks (default: max(4, stages))")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--log-every", type=int, default=None, help="progress interval (default: ~10 lines)")
+    p.add_argument("--tol", type=float, default=1e-4,
+                   help="max |pipelined - single| final loss, relative to max(1, |loss|)")
+    p.add_argument("--timeout", type=float, default=600.0, help="whole-run limit in seconds")
+    p.add_argument("--trace", metavar="PREFIX", default=None,
+                   help="--lib zbpipe: write each rank's last-step Chrome trace to PREFIX.rank<r>.json")
+    return p
+
+
+def _config(opts: dict[str, Any], num_stages: int) -> TinyConfig:
+    return TinyConfig(n_layers=opts["layers"] or max(4, num_stages))
+
+
+def _optimizer(opts: dict[str, Any], params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if opts["optimizer"] == "sgd":
+        return torch.optim.SGD(params, lr=opts["lr"] * 10)  # SGD wants a larger step than Adam
+    return torch.optim.AdamW(params, lr=opts["lr"])
+
+
+def _worker(rank: int, world: int, device: torch.device, opts: dict[str, Any], out_path: str) -> None:
+    """One pipeline rank: builds every stage from the seed (identical init everywhere), keeps
+    its own, and trains them; the rank holding the last stage logs and records the losses."""
+    num_stages = num_stages_for(opts["schedule"], world, opts["stages_per_rank"])
+    cfg = _config(opts, num_stages)
+    task = MarkovTask(cfg.vocab, cfg.seq_len, opts["seed"])
+    modules = build_stages(cfg, num_stages, opts["seed"])
+    mb = opts["batch_size"] // opts["microbatches"]
+    sched, local = build_pipeline(
+        opts["lib"], opts["schedule"], modules, rank, world, device, opts["microbatches"], lm_loss,
+        io_examples=lambda s: stage_io_examples(cfg, s, num_stages, mb, device),
+    )
+    optim = _optimizer(opts, [p for s in local for p in modules[s].parameters()])
+    first, last = 0 in local, num_stages - 1 in local
+    steps, every = opts["steps"], opts["log_every"]
+    tokens = opts["batch_size"] * cfg.seq_len
+    history: list[float] = []
+    window_t, window_steps = time.perf_counter(), 0
+    for step in range(steps):
+        x, y = (t.to(device) for t in task.batch(step, opts["batch_size"]))
+        optim.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        sched.step(*((x,) if first else ()), target=y if last else None, losses=losses if last else None)
+        optim.step()
+        if not last:
+            continue
+        history.append(float(torch.stack([l.detach().float() for l in losses]).mean()))
+        window_steps += 1
+        if (step + 1) % every == 0 or step + 1 == steps or step == 0:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            dt = (now - window_t) / window_steps
+            print(f"step {step + 1:>5}/{steps} | loss {history[-1]:.4f} | "
+                  f"{tokens / dt:>9.0f} tok/s | {dt * 1e3:7.2f} ms/step", flush=True)
+            window_t, window_steps = now, 0
+    if opts["trace"]:
+        sched.export_chrome_trace(f"{opts['trace']}.rank{rank}.json")
+    if last:
+        with open(out_path, "w") as f:
+            json.dump(history, f)
+
+
+def _single_process(opts: dict[str, Any], num_stages: int, device: torch.device) -> list[float]:
+    """The same model, data and optimizer in one process, whole batch at once."""
+    cfg = _config(opts, num_stages)
+    task = MarkovTask(cfg.vocab, cfg.seq_len, opts["seed"])
+    model = nn.Sequential(*build_stages(cfg, num_stages, opts["seed"])).to(device)
+    optim = _optimizer(opts, list(model.parameters()))
+    history = []
+    for step in range(opts["steps"]):
+        x, y = (t.to(device) for t in task.batch(step, opts["batch_size"]))
+        optim.zero_grad(set_to_none=True)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        optim.step()
+        history.append(float(loss.detach()))
+    return history
+
+
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
+    try:
+        num_stages = num_stages_for(a.schedule, a.pp, a.stages_per_rank)
+    except ValueError as e:
+        p.error(str(e))
+    if a.lib == "torch" and not spec_for(a.schedule).in_torch:
+        p.error(f"--lib torch: torch.distributed.pipelining has no '{a.schedule}' schedule")
+    if a.pp < 1 or a.microbatches < 1 or a.steps < 1:
+        p.error("--pp, --microbatches and --steps must be >= 1")
+    if a.batch_size % a.microbatches != 0:
+        p.error(f"--batch-size ({a.batch_size}) must be divisible by --microbatches ({a.microbatches})")
+    if a.trace and a.lib != "zbpipe":
+        p.error("--trace needs --lib zbpipe")
+    if a.lib == "zbpipe":
+        import zbpipe  # validates (pp, microbatches) here, before any process starts
+
+        spr = num_stages // a.pp
+        try:
+            zbpipe.compile(a.schedule, a.pp, a.microbatches, spr if spr > 1 else None)
+        except zbpipe.ScheduleError as e:
+            p.error(str(e))
+    if a.device == "cuda" and torch.cuda.device_count() < a.pp:
+        p.error(f"--device cuda needs one GPU per rank: --pp {a.pp}, found {torch.cuda.device_count()}")
+    if a.layers is not None and a.layers < num_stages:
+        p.error(f"--layers ({a.layers}) must be >= the number of stages ({num_stages})")
+    return num_stages
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    num_stages = _check_args(p, a)
+    opts = vars(a).copy()
+    opts["log_every"] = a.log_every or max(1, a.steps // 10)
+    cfg = _config(opts, num_stages)
+    task = MarkovTask(cfg.vocab, cfg.seq_len, a.seed)
+    ranks = stage_to_rank(a.pp, num_stages, spec_for(a.schedule).style)
+    print(f"zbpipe train: lib={a.lib} schedule={a.schedule} pp={a.pp} stages={num_stages} "
+          f"(stage->rank {ranks}) microbatches={a.microbatches} batch={a.batch_size} "
+          f"steps={a.steps} device={a.device}", flush=True)
+    print(f"model: {cfg.n_layers} blocks d={cfg.d_model} heads={cfg.n_heads} vocab={cfg.vocab} "
+          f"seq={cfg.seq_len}; task: 2nd-order Markov chain, loss floor ~{task.entropy_floor():.3f} "
+          f"nats (uniform {math.log(cfg.vocab):.3f}); optimizer {a.optimizer} lr={a.lr}", flush=True)
+    with tempfile.TemporaryDirectory(prefix="zbpipe_train_") as tmp:
+        out_path = os.path.join(tmp, "losses.json")
+        t0 = time.perf_counter()
+        try:
+            run_local(_worker, a.pp, (opts, out_path), device=a.device, timeout_s=a.timeout)
+        except KeyboardInterrupt:
+            print("interrupted: all ranks stopped", file=sys.stderr)
+            return 130
+        except (RuntimeError, TimeoutError) as e:
+            print(f"pipelined run failed: {e}", file=sys.stderr)
+            return 1
+        pipe_s = time.perf_counter() - t0
+        with open(out_path) as f:
+            piped = json.load(f)
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)  # like each rank, so the reference does the same float math
+    ref = _single_process(opts, num_stages, torch.device("cuda" if a.device == "cuda" else "cpu"))
+    ref_s = time.perf_counter() - t0
+    diffs = [abs(x - y) for x, y in zip(piped, ref)]
+    diff, worst = diffs[-1], max(diffs)
+    ok = len(piped) == len(ref) and diff <= a.tol * max(1.0, abs(ref[-1]))
+    print(f"wall: pipelined {pipe_s:.1f} s (incl. process start), single-process {ref_s:.1f} s")
+    print(f"final loss: pipelined {piped[-1]:.6f} | single-process {ref[-1]:.6f} | "
+          f"diff {diff:.2e} (max over {len(diffs)} steps {worst:.2e}, tol {a.tol:.0e}) "
+          f"{'MATCH' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
