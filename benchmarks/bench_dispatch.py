@@ -23,24 +23,21 @@ import statistics
 import sys
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, no install
-
-from zbpipe.examples.launcher import run_local  # noqa: E402
-from zbpipe.examples.pipelines import (  # noqa: E402
+from zbpipe.examples.launcher import run_local
+from zbpipe.examples.pipelines import (
     SCHEDULES,
     build_pipeline,
     local_stages,
     num_stages_for,
     spec_for,
 )
-from zbpipe.examples.tiny_transformer import Block, TinyConfig  # noqa: E402
+from zbpipe.examples.tiny_transformer import Block, TinyConfig
 
 # size -> (one layer, shape of one microbatch)
 SIZES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {

@@ -3,11 +3,12 @@ pipelines on the same stages and print a complete row. No timing is asserted."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
 from pathlib import Path
+
+from _subprocess_env import NEUTRAL_CWD, child_env
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,8 +18,7 @@ def test_bench_dispatch_prints_a_row_for_both_libraries():
         [sys.executable, str(ROOT / "benchmarks" / "bench_dispatch.py"), "--sizes", "tiny",
          "--schedules", "zbv", "--microbatches", "4", "--warmup", "1", "--reps", "1", "--steps", "1",
          "--timeout", "45"],
-        cwd=ROOT, capture_output=True, text=True, timeout=60,
-        env=dict(os.environ, PYTHONPATH=str(ROOT)),
+        cwd=NEUTRAL_CWD, capture_output=True, text=True, timeout=60, env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     row = re.search(r"^tiny\s+zbv\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", proc.stdout, re.M)

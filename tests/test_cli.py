@@ -2,17 +2,16 @@
 PNG of `draw` (schedule and Chrome trace), and `python -m zbpipe` in a subprocess."""
 
 import json
-import os
 import re
 import struct
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
 
 import zbpipe
+from _subprocess_env import NEUTRAL_CWD, child_env
 from zbpipe.cli import main
 
 
@@ -176,11 +175,7 @@ def test_train_is_absent_or_forwarded(capsys):
 
 
 def test_python_dash_m_subprocess():
-    # The zbpipe this test imported (installed, or a developer's PYTHONPATH=. tree), run from a
-    # neutral folder so a source tree without _C cannot shadow it.
-    pkg_parent = str(Path(zbpipe.__file__).resolve().parent.parent)
-    env = {**os.environ, "PYTHONPATH": pkg_parent}
-    neutral = tempfile.gettempdir()
+    env, neutral = child_env(), NEUTRAL_CWD
     ok = subprocess.run([sys.executable, "-m", "zbpipe", "plan", "zb_h1", "--pp", "3", "-m", "4"],
                         capture_output=True, text=True, env=env, cwd=neutral, timeout=120)
     assert ok.returncode == 0, ok.stderr

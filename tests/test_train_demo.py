@@ -4,15 +4,12 @@ exit 0, print progress, and its pipelined loss must equal the single-process los
 from __future__ import annotations
 
 import json
-import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from _subprocess_env import NEUTRAL_CWD, child_env
 FINAL = re.compile(
     r"final loss: pipelined (\S+) \| single-process (\S+) \| diff (\S+) "
     r"\(max over (\d+) steps (\S+), tol \S+\) (MATCH|MISMATCH)"
@@ -21,10 +18,9 @@ PROGRESS = re.compile(r"^step\s+(\d+)/(\d+) \| loss (\S+) \|\s+(\d+) tok/s", re.
 
 
 def _run_demo(*args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     return subprocess.run(
         [sys.executable, "-m", "zbpipe.train", "--steps", "3", "--log-every", "1", "--timeout", "45", *args],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60,
+        cwd=NEUTRAL_CWD, env=child_env(), capture_output=True, text=True, timeout=60,
     )
 
 
