@@ -127,18 +127,19 @@ def _check_schedule(args) -> None:
             raise CliError(f"--{opt} is required")
 
 
-def _stage_costs(values: list[float] | None, prog: _C.Program, pp: int, raw: bool, name: str):
-    """Per-stage costs for `prog` from CLI values given per 1F1B stage (see COSTS_HELP)."""
+def _stage_costs(values: list[float] | None, num_stages: int, pp: int, raw: bool, name: str):
+    """Per-stage costs for a program of `num_stages` from CLI values given per 1F1B stage
+    (see COSTS_HELP)."""
     if values is None:
         return None
-    k = prog.num_stages // prog.pp
-    if raw or (len(values) == prog.num_stages and k > 1):
+    k = num_stages // pp
+    if raw or (len(values) == num_stages and k > 1):
         return values
     if len(values) == 1:
         return [values[0] / k]
     if len(values) != pp:
         raise CliError(f"--{name} needs 1 value or one per 1F1B stage ({pp}), got {len(values)}")
-    return [values[s // k] / k for s in range(prog.num_stages)]
+    return [values[s // k] / k for s in range(num_stages)]
 
 
 def _compile(name: str, args) -> _C.Program:
@@ -148,16 +149,15 @@ def _compile(name: str, args) -> _C.Program:
     kw = {}
     if args.memory_cap and (name in CAPPED or not args.compare_mode):
         kw["memory_cap"] = args.memory_cap
-    prog = compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank, **kw)
-    if name in CAPPED:  # its stage count is known now: rebuild under the per-stage costs
-        costs = _sim_costs(prog, args)
-        prog = compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank,
-                                **costs, **kw)
-    return prog
+    if name in CAPPED:
+        # Cost-driven schedules are one stage per rank (the builder rejects any other count), so
+        # their per-stage costs are known before the (expensive) search runs once.
+        kw.update(_sim_costs(args.pp * (args.stages_per_rank or 1), args))
+    return compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank, **kw)
 
 
-def _sim_costs(prog: _C.Program, args) -> dict:
-    c = {n: _stage_costs(getattr(args, n), prog, args.pp, args.raw_costs, n.replace("_", "-"))
+def _sim_costs(num_stages: int, args) -> dict:
+    c = {n: _stage_costs(getattr(args, n), num_stages, args.pp, args.raw_costs, n.replace("_", "-"))
          for n in ("f", "b", "w", "b_full")}
     return {**c, "comm": args.comm}
 
@@ -198,7 +198,7 @@ def cmd_simulate(args, out) -> int:
         return _compare(args, out)
     _check_schedule(args)
     prog = _compile(args.schedule, args)
-    costs = _sim_costs(prog, args)
+    costs = _sim_costs(prog.num_stages, args)
     res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"], b_full=costs["b_full"])
     print(_header(prog), file=out)
     print(f"costs per stage: f={costs['f']} b={costs['b']} w={costs['w']}"
@@ -223,7 +223,7 @@ def _compare(args, out) -> int:
     for name in schedule_names():
         try:
             prog = _compile(name, args)
-            costs = _sim_costs(prog, args)
+            costs = _sim_costs(prog.num_stages, args)
             res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"],
                            b_full=costs["b_full"])
         except ValueError as exc:
@@ -267,7 +267,7 @@ def cmd_draw(args, out) -> int:
     else:
         _check_schedule(args)
         prog = _compile(args.schedule, args)
-        costs = _sim_costs(prog, args)
+        costs = _sim_costs(prog.num_stages, args)
         res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"],
                        b_full=costs["b_full"])
         boxes, arrows = plot.program_boxes(prog, res, args.comm)
