@@ -1,4 +1,5 @@
 // Pass: keep only the forwards of a compute-only program (evaluation with a training schedule).
+#include "action_table.h"
 #include "zbpipe/error.h"
 #include "zbpipe/passes.h"
 
@@ -12,11 +13,9 @@ Program strip_backward(const Program& compute_only) {
   for (auto& acts : p.ranks) {
     std::vector<Action> kept;
     kept.reserve(acts.size() / 2);
-    for (const auto& a : acts) {
-      if (a.kind == Kind::F) kept.push_back(a);
-      for (const auto& s : a.sub)
-        if (s.kind == Kind::F) kept.push_back(s);
-    }
+    for (const auto& a : acts)
+      for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
+        if (s->kind == Kind::F) kept.push_back(*s);
     acts = std::move(kept);
   }
   return p;
