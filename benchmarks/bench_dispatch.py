@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_dispatch.py            # CPU, Gloo, pp=2, 16 microbatches
     PYTHONPATH=. python benchmarks/bench_dispatch.py --device cuda   # NCCL, one GPU per rank
+    PYTHONPATH=. python benchmarks/bench_dispatch.py --gloo-devices 1   # a plain one-device Gloo group
 
 Both libraries run in the same spawned ranks, alternating repetition by repetition, after
 warm-up; each cell is the median over repetitions of (time of `--steps` steps) / steps, measured
@@ -191,6 +192,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=7, help="timed repetitions (median reported)")
     p.add_argument("--steps", type=int, default=5, help="steps per repetition")
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--gloo-devices", type=int, default=2,
+                   help="Gloo devices (connections + transport threads) on loopback; both libraries "
+                        "share the group, zbpipe routes each direction of a rank pair through its own")
     p.add_argument("--timeout", type=float, default=900.0)
     ns = p.parse_args(argv)
     a = vars(ns) | {k: getattr(ns, k).split(",") for k in ("schedules", "sizes", "libs")}
@@ -199,11 +203,14 @@ def main(argv: list[str] | None = None) -> int:
     if ns.device == "cuda" and torch.cuda.device_count() < ns.pp:
         p.error(f"--device cuda needs {ns.pp} GPUs, found {torch.cuda.device_count()}")
     backend = "NCCL" if ns.device == "cuda" else "Gloo"
+    if ns.device == "cpu":
+        backend += f" ({ns.gloo_devices} device{'s' if ns.gloo_devices > 1 else ''})"
     print(f"# bench_dispatch: pp={ns.pp} microbatches={ns.microbatches} {backend} on {ns.device}, "
           f"torch {torch.__version__}; median of {ns.reps} reps x {ns.steps} steps after {ns.warmup} warm-up")
     print(f"{'size':<7} {'schedule':<17} {'torch ms':>9} {'zbpipe ms':>9} {'zb/torch':>8} "
           f"{'floor ms':>9} {'1proc ms':>9} {'torch min':>9} {'zb min':>9}", flush=True)
-    run_local(_bench, ns.pp, (a,), device=ns.device, timeout_s=ns.timeout, pg_timeout_s=300)
+    run_local(_bench, ns.pp, (a,), device=ns.device, timeout_s=ns.timeout, pg_timeout_s=300,
+              gloo_devices=ns.gloo_devices)
     return 0
 
 

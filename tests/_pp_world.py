@@ -1,7 +1,9 @@
 """Spawned Gloo worlds on 127.0.0.1 for the runtime tests: bounded time, always cleaned up.
 
 run_world(pp, fn, *args) starts pp processes, each calling fn(rank, pp, *args) after
-init_process_group, and returns {rank: result} plus the exit codes. A worker that raises
+init_process_group, and returns {rank: result} plus the exit codes. `gloo_devices` loopback
+devices back the group (zbpipe sends the two directions of a rank pair through different ones
+when there are two). A worker that raises
 returns {"error": traceback}; processes still alive at the deadline are killed (and reported).
 """
 
@@ -22,8 +24,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _entry(rank, pp, port, fn, args, out):
+def _entry(rank, pp, port, gloo_devices, fn, args, out):
     os.environ.setdefault("OMP_NUM_THREADS", "1")
+    os.environ["GLOO_SOCKET_IFNAME"] = ",".join(["lo"] * gloo_devices)
     import torch
     import torch.distributed as dist
 
@@ -44,11 +47,11 @@ def _entry(rank, pp, port, fn, args, out):
     os._exit(0)
 
 
-def run_world(pp: int, fn, *args, timeout: float = 120.0):
+def run_world(pp: int, fn, *args, timeout: float = 120.0, gloo_devices: int = 1):
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_entry, args=(r, pp, port, fn, args, out), daemon=True) for r in range(pp)]
+    procs = [ctx.Process(target=_entry, args=(r, pp, port, gloo_devices, fn, args, out), daemon=True) for r in range(pp)]
     for p in procs:
         p.start()
     results = {}

@@ -117,9 +117,11 @@ def _exact_world(rank, pp):
     return {"failures": [f for f in failures if f], "checked": checked}
 
 
-@pytest.mark.parametrize("pp", [2, 4])
-def test_every_schedule_matches_single_process(pp):
-    results, codes, leftover = run_world(pp, _exact_world, timeout=240)
+# pp=2 runs on two Gloo devices (each direction of the rank pair on its own connection, the
+# launcher's default), pp=4 on one (the default of a plain Gloo group): both tag paths.
+@pytest.mark.parametrize("pp,gloo_devices", [(2, 2), (4, 1)], ids=["pp2-2dev", "pp4-1dev"])
+def test_every_schedule_matches_single_process(pp, gloo_devices):
+    results, codes, leftover = run_world(pp, _exact_world, timeout=240, gloo_devices=gloo_devices)
     assert not leftover, f"ranks {leftover} had to be killed"
     assert sorted(results) == list(range(pp)), f"missing results: {results} (exit codes {codes})"
     for rank, res in results.items():

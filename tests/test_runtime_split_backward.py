@@ -1,6 +1,7 @@
-"""Split backward (I then W) gives exactly the gradients of one full backward, single process:
-weights used twice, tied/transposed weights, weight-region diamonds, unused parameters, stage
-inputs that need no gradient, and the deferred-Linear queue."""
+"""Split backward (I then W, the executor's C++ code bound as zbpipe._C.backward_*) gives
+exactly the gradients of one full backward, single process: weights used twice, tied/transposed
+weights, weight-region diamonds, unused parameters, stage inputs that need no gradient, and the
+deferred-Linear queue."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from zbpipe.split_backward import DeferredLinearHook, WeightWork, backward_input, backward_weight
+from zbpipe import _C
+from zbpipe.deferred_linear import DeferredLinearHook
 
 
 class Reuse(nn.Module):  # one Linear applied twice in sequence
@@ -106,11 +108,12 @@ def test_split_equals_full(cls, input_grad):
 
     xs = x.clone().requires_grad_(input_grad)
     out = model(xs)
-    (dx,), work = backward_input([out], [g], [xs])
+    (dx,), work = _C.backward_input([out], [g], [xs])
     # I must not touch parameter gradients; W fills them.
     assert all(p.grad is None for p in model.parameters())
     del out
-    backward_weight(work)
+    _C.backward_weight(work)
+    assert len(work) == 0  # W consumed the captured slots
     _assert_same(_grads(model), _grads(ref))
     if input_grad:
         torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
@@ -128,9 +131,9 @@ def test_split_accumulates_across_microbatches():
     works = []
     for x in xs:  # all I first, then all W (as a zero-bubble schedule may order them)
         y = model(x.clone().requires_grad_(True))
-        works.append(backward_input([y], [torch.ones_like(y)], [])[1])
+        works.append(_C.backward_input([y], [torch.ones_like(y)], [])[1])
     for w in works:
-        backward_weight(w)
+        _C.backward_weight(w)
     _assert_same(_grads(model), _grads(ref))
 
 
@@ -149,5 +152,42 @@ def test_deferred_linear_queues_weight_gradients():
     y.square().mean().backward()
     assert model[0].weight.grad is None and model[3].bias.grad is None  # waiting in the queue
     assert model[2].weight.grad is not None                             # LayerNorm: immediate
-    backward_weight(WeightWork(linear=queue))
+    for entry in queue:
+        entry.run()
     _assert_same(_grads(model), _grads(ref))
+
+
+@pytest.mark.parametrize("cls", MODULES, ids=lambda c: c.__name__)
+def test_full_backward_returns_input_gradient_and_fills_params(cls):
+    torch.manual_seed(0)
+    model = cls()
+    ref = copy.deepcopy(model)
+    x, g = torch.randn(4, 6), torch.randn(4, 6)
+    xr = x.clone().requires_grad_(True)
+    ref(xr).backward(g)
+    xs = x.clone().requires_grad_(True)
+    (dx,) = _C.backward_full([model(xs)], [g], [xs])
+    torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
+    _assert_same(_grads(model), _grads(ref))
+
+
+def test_diamond_is_clamped_not_double_counted():
+    """Without the clamp, W would add the w*3 path twice into the Diamond's weight gradient."""
+    torch.manual_seed(0)
+    model = Diamond()
+    x = torch.randn(4, 6, requires_grad=True)
+    (_dx,), work = _C.backward_input([model(x)], [torch.ones(4, 6)], [x])
+    assert len(work) >= 2  # the boundary below another boundary is captured too
+    ref = copy.deepcopy(model)
+    ref(x.detach().requires_grad_(True)).backward(torch.ones(4, 6))
+    _C.backward_weight(work)
+    torch.testing.assert_close(model.w.grad, ref.w.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_unused_input_gets_no_gradient():
+    lin = nn.Linear(6, 6)
+    x, unused = torch.randn(4, 6, requires_grad=True), torch.randn(4, 6, requires_grad=True)
+    (dx, du), work = _C.backward_input([lin(x)], [torch.ones(4, 6)], [x, unused])
+    assert dx is not None and du is None
+    _C.backward_weight(work)
+    assert lin.weight.grad is not None

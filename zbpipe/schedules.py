@@ -167,12 +167,11 @@ class PipelineSchedule:
             if target is None:
                 raise ValueError("zbpipe: the last stage needs target= when a loss_fn is set")
             mb_targets = _split(target, n, "target")
-        scale = 1.0 / n if self._scale_grads else 1.0
         for s in self._stages:
             s._begin(mb_args if s.is_first else None, mb_kwargs, mb_targets if s.is_last else None,
-                     self._loss_fn if mb_targets is not None else None, self._has_backward, scale)
+                     self._loss_fn if mb_targets is not None else None, self._has_backward)
         try:
-            self._get_executor().run()
+            self._get_executor().run(1.0 / n if self._scale_grads else 1.0)
             last = next((s for s in self._stages if s.is_last), None)
             if last is None:
                 return None

@@ -2,7 +2,9 @@
 
 The executor calls the ``_zb_*`` methods (through a trampoline in csrc/python/module.cpp) in
 program order; a schedule's ``step`` fills the per-step state first (microbatch arguments,
-targets, loss function) and reads the losses and outputs afterwards.
+targets, loss function) and reads the losses and outputs afterwards. Only forwards run here:
+the executor keeps what a forward returns and runs the backward (B, or I then W) itself on the
+autograd engine (csrc/runtime/stage_backward.h).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from . import _tree
-from .split_backward import DeferredLinearHook, WeightWork, backward_input, backward_weight
+from .deferred_linear import DeferredLinearHook
 
 
 class PipelineStage:
@@ -63,31 +65,29 @@ class PipelineStage:
         self._input_args = input_args
         self._output_args = output_args
         self._linear = DeferredLinearHook(submodule) if deferred_linear else None
+        self._zb_queues_weight_work = deferred_linear  # read once by the executor
         self._in_structure: str | None = None
         self._in_parsed: Any = None
-        self._in_differentiable: list[bool] = []
         self._out_structure: str | None = None
-        self._begin(None, None, None, None, False, 1.0)
+        self._begin(None, None, None, None, False)
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, rank={self.group_rank})"
 
     # ---- per-step state, set by the schedule ---------------------------------------------
 
-    def _begin(self, args, kwargs, targets, loss_fn, has_backward: bool, scale: float) -> None:
+    def _begin(self, args, kwargs, targets, loss_fn, has_backward: bool) -> None:
         self._mb_args = args        # first stage: per-microbatch positional args
         self._mb_kwargs = kwargs    # every stage: per-microbatch keyword args
         self._targets = targets     # last stage: per-microbatch targets
         self._loss_fn = loss_fn
         self._has_backward = has_backward
-        self._scale = scale         # gradient of each microbatch loss (1/n for a mean)
-        self._saved: dict[int, tuple] = {}    # mb -> (input leaves, roots) between F and B/I
-        self._weight: dict[int, Any] = {}     # mb -> WeightWork between I and W
+        self._queues: dict[int, list] = {}    # mb -> deferred Linear weight work, F to W
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
 
     def _end(self) -> None:
-        self._begin(None, None, None, None, False, 1.0)
+        self._begin(None, None, None, None, False)
 
     # ---- executor callbacks ----------------------------------------------------------------
 
@@ -99,79 +99,35 @@ class PipelineStage:
         return self.submod(*args, **named, **kwargs)
 
     def _zb_forward(self, mb: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        if self._has_backward:
-            for t, d in zip(inputs, self._in_differentiable):
-                if d:
-                    t.requires_grad_(True)
-            if self._linear is not None:
-                self._linear.queue = []
+        """Flat outputs (the executor detaches what it sends), or [loss] on the last stage."""
+        if not self._has_backward:
+            with torch.no_grad():
+                out = self._call(mb, inputs)
+        elif self._linear is not None:
+            self._linear.queue = self._queues[mb] = []
             try:
                 out = self._call(mb, inputs)
             finally:
-                queue = self._linear.queue if self._linear is not None else None
-                if self._linear is not None:
-                    self._linear.queue = None
+                self._linear.queue = None
+        else:
+            out = self._call(mb, inputs)
+        if not self.is_last:
+            return _tree.flatten(out)[0]
+        self.outputs[mb] = _detach(out)
+        if self._loss_fn is None:
+            return []
+        if self._has_backward:
+            loss = self._loss_fn(out, self._targets[mb])
         else:
             with torch.no_grad():
-                out = self._call(mb, inputs)
-            queue = None
-        if self.is_last:
-            self.outputs[mb] = _detach(out)
-            roots: list[torch.Tensor] = []
-            if self._loss_fn is not None:
                 loss = self._loss_fn(out, self._targets[mb])
-                self.losses[mb] = loss.detach()
-                roots = [loss]
-            if self._has_backward:
-                self._saved[mb] = (inputs, roots, queue)
-            return []
-        flat, _ = _tree.flatten(out)
-        if self._has_backward:
-            self._saved[mb] = (inputs, [t for t in flat if _tree.differentiable(t)], queue)
-        # Detached: a same-rank next stage must start its own graph.
-        return [t.detach() for t in flat]
+        self.losses[mb] = loss.detach()
+        return [loss] if self._has_backward else []
 
-    def _roots(self, mb: int, grads: list[torch.Tensor]):
-        inputs, outs, queue = self._saved.pop(mb)
-        if self.is_last:
-            root_grads = [torch.full_like(r, self._scale) for r in outs]
-            return inputs, outs, root_grads, queue
-        roots, root_grads = [], []
-        for o, g in zip(outs, grads):
-            if o.requires_grad:
-                roots.append(o)
-                root_grads.append(g)
-        return inputs, roots, root_grads, queue
-
-    def _input_grads(self, inputs, grads) -> list[torch.Tensor]:
-        out = []
-        for t, d, g in zip(inputs, self._in_differentiable, grads):
-            if d:
-                out.append(g if g is not None else torch.zeros_like(t))
-        return out
-
-    def _zb_backward_full(self, mb: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        inputs, roots, root_grads, queue = self._roots(mb, grads)
-        if roots:
-            torch.autograd.backward(roots, grad_tensors=root_grads)
-        if queue:
-            backward_weight_queue(queue)
-        return self._input_grads(inputs, [t.grad if t.requires_grad else None for t in inputs])
-
-    def _zb_backward_input(self, mb: int, grads: list[torch.Tensor]) -> list[torch.Tensor]:
-        inputs, roots, root_grads, queue = self._roots(mb, grads)
-        if queue is not None:
-            # Deferred Linear: a plain backward; the Linear weight gradients wait in the queue.
-            if roots:
-                torch.autograd.backward(roots, grad_tensors=root_grads, inputs=None)
-            self._weight[mb] = WeightWork(linear=queue)
-            return self._input_grads(inputs, [t.grad if t.requires_grad else None for t in inputs])
-        in_grads, work = backward_input(roots, root_grads, inputs)
-        self._weight[mb] = work
-        return self._input_grads(inputs, in_grads)
-
-    def _zb_backward_weight(self, mb: int) -> None:
-        backward_weight(self._weight.pop(mb))
+    def _zb_weight_work(self, mb: int) -> None:
+        """W of a deferred_linear stage: the Linear weight gradients its backward queued."""
+        for entry in self._queues.pop(mb):
+            entry.run()
 
     def _zb_infer_outputs(self, specs, structure: str):
         """Handshake: output signature for the given input signature (see StageHandle)."""
@@ -184,7 +140,6 @@ class PipelineStage:
             got = [(tuple(s), d) for s, d in specs]
             self._in_structure = structure
             self._in_parsed = _tree.parse(structure)
-            self._in_differentiable = [_tree.differentiable(d) for _, d in got]
             where = f"stage {self.stage_index - 1}'s outputs"
         if self._input_args is not None:
             declared = _tree.specs_of(_tree.flatten(self._input_args, "input_args")[0])
@@ -223,12 +178,6 @@ class PipelineStage:
                 tensors = [torch.zeros(s, dtype=d, device=self.device) for s, d in specs]
                 args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_structure))
                 return self.submod(*args, **named, **kwargs)
-
-
-def backward_weight_queue(queue: list) -> None:
-    for entry in queue:
-        entry.run()
-    queue.clear()
 
 
 def _to_meta(v):

@@ -19,6 +19,7 @@
 #include "runtime/errors.h"
 #include "runtime/executor.h"
 #include "runtime/p2p.h"
+#include "runtime/stage_backward.h"
 #include "runtime/trace.h"
 
 namespace py = pybind11;
@@ -220,35 +221,26 @@ class PyStage final : public runtime::StageHandle {
   explicit PyStage(py::object stage)
       : stage_(std::move(stage)),
         forward_(stage_.attr("_zb_forward")),
-        backward_input_(stage_.attr("_zb_backward_input")),
-        backward_weight_(stage_.attr("_zb_backward_weight")),
-        backward_full_(stage_.attr("_zb_backward_full")),
-        infer_(stage_.attr("_zb_infer_outputs")) {}
+        weight_work_(stage_.attr("_zb_weight_work")),
+        infer_(stage_.attr("_zb_infer_outputs")),
+        queues_weight_(stage_.attr("_zb_queues_weight_work").cast<bool>()) {}
 
   ~PyStage() override {
     py::gil_scoped_acquire gil;
-    stage_ = py::object();
-    forward_ = backward_input_ = backward_weight_ = backward_full_ = infer_ = py::object();
+    stage_ = forward_ = weight_work_ = infer_ = py::object();
   }
 
-  std::vector<at::Tensor> forward(int mb, std::vector<at::Tensor> inputs) override {
+  std::vector<at::Tensor> forward(int mb, const std::vector<at::Tensor>& inputs) override {
     py::gil_scoped_acquire gil;
-    return guarded([&] { return forward_(mb, std::move(inputs)).cast<std::vector<at::Tensor>>(); });
+    return guarded([&] { return forward_(mb, inputs).cast<std::vector<at::Tensor>>(); });
   }
-  std::vector<at::Tensor> backward_input(int mb, std::vector<at::Tensor> grads) override {
-    py::gil_scoped_acquire gil;
-    return guarded([&] { return backward_input_(mb, std::move(grads)).cast<std::vector<at::Tensor>>(); });
-  }
-  void backward_weight(int mb) override {
+  bool queues_weight_work() const override { return queues_weight_; }
+  void run_weight_work(int mb) override {
     py::gil_scoped_acquire gil;
     guarded([&] {
-      backward_weight_(mb);
+      weight_work_(mb);
       return 0;
     });
-  }
-  std::vector<at::Tensor> backward_full(int mb, std::vector<at::Tensor> grads) override {
-    py::gil_scoped_acquire gil;
-    return guarded([&] { return backward_full_(mb, std::move(grads)).cast<std::vector<at::Tensor>>(); });
   }
   Signature infer_outputs(const Signature& in) override {
     py::gil_scoped_acquire gil;
@@ -277,7 +269,8 @@ class PyStage final : public runtime::StageHandle {
     }
   }
 
-  py::object stage_, forward_, backward_input_, backward_weight_, backward_full_, infer_;
+  py::object stage_, forward_, weight_work_, infer_;
+  bool queues_weight_;
 };
 
 py::dict trace_record_to_py(const runtime::TraceRecord& r) {
@@ -312,8 +305,10 @@ void register_runtime(py::module_& m) {
            }),
            py::arg("program"), py::arg("process_group"), py::arg("stages"), py::arg("device"),
            py::arg("timeout_s") = 300.0, py::arg("device_timing") = false)
-      .def("run", &runtime::Executor::run, py::call_guard<py::gil_scoped_release>(),
-           "Runs one step of the program (the GIL is released; stage calls re-acquire it).")
+      .def("run", &runtime::Executor::run, py::arg("loss_scale") = 1.0,
+           py::call_guard<py::gil_scoped_release>(),
+           "Runs one step of the program; each microbatch loss backpropagates `loss_scale` (the GIL "
+           "is released; stage calls re-acquire it).")
       .def_property_readonly("rank", &runtime::Executor::rank)
       .def_property_readonly("program", &runtime::Executor::program)
       .def("set_timeout", [](runtime::Executor& e, double s) {
@@ -335,6 +330,31 @@ void register_runtime(py::module_& m) {
            }, py::arg("path"));
 }
 
+// The stage backward on its own (single process), for tests and for trainers that split a
+// backward themselves: the same code the executor runs for B, I and W.
+void register_backward(py::module_& m) {
+  py::class_<runtime::WeightWork>(m, "WeightWork", "What backward_weight needs, captured by backward_input.")
+      .def("__len__", [](const runtime::WeightWork& w) { return w.edges.size(); },
+           "Number of captured boundary slots.");
+  m.def("backward_full", &runtime::backward_full, py::arg("roots"), py::arg("root_grads"), py::arg("inputs"),
+        py::call_guard<py::gil_scoped_release>(),
+        "B: backpropagates into every leaf's .grad; returns the gradients of `inputs` (None where none).");
+  m.def("backward_input", [](const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& root_grads,
+                             const std::vector<at::Tensor>& inputs) {
+          auto work = std::make_unique<runtime::WeightWork>();
+          std::vector<at::Tensor> grads;
+          {
+            py::gil_scoped_release nogil;
+            grads = runtime::backward_input(roots, root_grads, inputs, *work);
+          }
+          return py::make_tuple(grads, std::move(work));
+        }, py::arg("roots"), py::arg("root_grads"), py::arg("inputs"),
+        "I: (gradients of `inputs`, WeightWork); no .grad is touched.");
+  m.def("backward_weight", &runtime::backward_weight, py::arg("work"),
+        py::call_guard<py::gil_scoped_release>(),
+        "W: accumulates the parameter gradients captured by backward_input.");
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_C, m) {
@@ -342,4 +362,5 @@ PYBIND11_MODULE(_C, m) {
   register_errors(m);
   register_core(m);
   register_runtime(m);
+  register_backward(m);
 }

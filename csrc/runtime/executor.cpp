@@ -2,6 +2,8 @@
 #include "runtime/executor.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/full_like.h>
+#include <ATen/ops/zeros_like.h>
 
 #include "runtime/errors.h"
 
@@ -46,6 +48,7 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
                                     got, "]"));
   }
   build_dispatch();
+  for (const auto& h : stages_) queues_weight_.push_back(h->queues_weight_work() ? 1 : 0);
   timer_ = std::make_unique<DeviceTimer>(p2p_->device(), options_.device_timing, entries_.size());
 }
 
@@ -74,6 +77,7 @@ void Executor::build_dispatch() {
     return local_of[stage];
   };
   auto same_rank = [&](int stage) { return program_.rank_of(stage) == rank_; };
+  trains_.assign(stage_ids_.size(), 0);
 
   auto add_compute = [&](const Action& a, int index) {
     Entry e{};
@@ -94,6 +98,7 @@ void Executor::build_dispatch() {
       case Kind::B:
       case Kind::I:
         e.op = a.kind == Kind::B ? Op::BackwardFull : Op::BackwardInput;
+        trains_[e.local] = 1;
         e.needs_recv = a.stage < last && !same_rank(a.stage + 1);
         if (a.stage > 0) {
           if (same_rank(a.stage - 1)) e.handoff = local_of[a.stage - 1];
@@ -164,7 +169,9 @@ void Executor::abandon_in_flight() {
 void Executor::fail(int index, const std::string& what) {
   broken_ = true;
   const auto& acts = program_.ranks[rank_];
-  std::string action = index >= 0 && index < static_cast<int>(acts.size()) ? to_string(acts[index]) : "(end of step)";
+  std::string action = index >= 0 && index < static_cast<int>(acts.size()) ? to_string(acts[index])
+                       : index == kStepStart                                 ? "(start of step)"
+                                                                             : "(end of step)";
   throw PipelineError(detail::str(
       "zbpipe: rank ", rank_, " failed at action ", action, " (index ", index, ") of schedule '",
       program_.schedule, "' (pp=", program_.pp, ", stages=", program_.num_stages,
@@ -196,30 +203,49 @@ void Executor::wait_recv(std::shared_ptr<Batch>& batch, int comm, TraceRecord& r
   batch.reset();
 }
 
+void Executor::add_recv_ops(const Comm& k, std::vector<P2POp>& ops) {
+  Slot& sl = slot(k.local, k.mb);
+  const bool fwd = k.kind == Kind::RECV_F;
+  const auto& specs = fwd ? sigs_[k.local].inputs.specs : grad_specs_[k.local];
+  auto& bufs = fwd ? sl.fwd_in : sl.grad_in;
+  bufs.clear();
+  auto opts = at::TensorOptions().device(p2p_->device());
+  for (size_t i = 0; i < specs.size(); ++i) {
+    bufs.push_back(at::empty(specs[i].shape, opts.dtype(specs[i].dtype)));
+    ops.push_back(P2POp{false, k.peer, k.tag + static_cast<int>(i), bufs.back()});
+  }
+}
+
+void Executor::prepost_receives() {
+  for (int c = 0; c < static_cast<int>(comms_.size()); ++c) {
+    const Comm& k = comms_[c];
+    if (k.kind != Kind::RECV_F && k.kind != Kind::RECV_B) continue;
+    std::vector<P2POp> ops;
+    add_recv_ops(k, ops);
+    if (ops.empty()) continue;  // nothing differentiable crosses: no message
+    auto batch = p2p_->post(std::move(ops));
+    Slot& sl = slot(k.local, k.mb);
+    (k.kind == Kind::RECV_F ? sl.fwd_recv : sl.grad_recv) = std::move(batch);
+    (k.kind == Kind::RECV_F ? sl.fwd_recv_comm : sl.grad_recv_comm) = c;
+  }
+}
+
 void Executor::post_comm(const Entry& e) {
   std::vector<P2POp> ops;
   bool has_send = false;
-  auto opts = at::TensorOptions().device(p2p_->device());
   for (int c = e.comm_begin; c < e.comm_end; ++c) {
     const Comm& k = comms_[c];
     Slot& sl = slot(k.local, k.mb);
     switch (k.kind) {
       case Kind::RECV_F:
-      case Kind::RECV_B: {
-        const auto& specs = k.kind == Kind::RECV_F ? sigs_[k.local].inputs.specs : grad_specs_[k.local];
-        auto& bufs = k.kind == Kind::RECV_F ? sl.fwd_in : sl.grad_in;
-        bufs.clear();
-        for (size_t i = 0; i < specs.size(); ++i) {
-          bufs.push_back(at::empty(specs[i].shape, opts.dtype(specs[i].dtype)));
-          ops.push_back(P2POp{false, k.peer, k.tag + static_cast<int>(i), bufs.back()});
-        }
+      case Kind::RECV_B:
+        if (!prepost_) add_recv_ops(k, ops);
         break;
-      }
       case Kind::SEND_F:
       case Kind::SEND_B: {
         auto& outs = k.kind == Kind::SEND_F ? sl.fwd_out : sl.grad_out;
         for (size_t i = 0; i < outs.size(); ++i)
-          ops.push_back(P2POp{true, k.peer, k.tag + static_cast<int>(i), outs[i].detach().contiguous()});
+          ops.push_back(P2POp{true, k.peer, k.tag + static_cast<int>(i), outs[i].contiguous()});
         outs.clear();
         has_send = true;
         break;
@@ -230,15 +256,17 @@ void Executor::post_comm(const Entry& e) {
   }
   if (ops.empty()) return;
   auto batch = p2p_->post(std::move(ops));
-  for (int c = e.comm_begin; c < e.comm_end; ++c) {
-    const Comm& k = comms_[c];
-    Slot& sl = slot(k.local, k.mb);
-    if (k.kind == Kind::RECV_F) {
-      sl.fwd_recv = batch;
-      sl.fwd_recv_comm = c;
-    } else if (k.kind == Kind::RECV_B) {
-      sl.grad_recv = batch;
-      sl.grad_recv_comm = c;
+  if (!prepost_) {
+    for (int c = e.comm_begin; c < e.comm_end; ++c) {
+      const Comm& k = comms_[c];
+      Slot& sl = slot(k.local, k.mb);
+      if (k.kind == Kind::RECV_F) {
+        sl.fwd_recv = batch;
+        sl.fwd_recv_comm = c;
+      } else if (k.kind == Kind::RECV_B) {
+        sl.grad_recv = batch;
+        sl.grad_recv_comm = c;
+      }
     }
   }
   if (has_send) pending_sends_.push_back(std::move(batch));
@@ -251,44 +279,78 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
   }
   Slot& sl = slot(e.local, e.mb);
   StageHandle& stage = *stages_[e.local];
+  const bool last = e.stage == program_.num_stages - 1;
   switch (e.op) {
     case Op::Forward: {
       if (e.needs_recv) wait_recv(sl.fwd_recv, sl.fwd_recv_comm, rec);
-      auto outs = stage.forward(e.mb, std::move(sl.fwd_in));
+      auto inputs = std::move(sl.fwd_in);
       sl.fwd_in.clear();
-      if (e.handoff >= 0) {
-        check_outputs(outs, sigs_[e.local].outputs.specs, "outputs", e.stage, e.mb);
-        slot(e.handoff, e.mb).fwd_in = std::move(outs);
-      } else if (e.to_send) {
-        check_outputs(outs, sigs_[e.local].outputs.specs, "outputs", e.stage, e.mb);
-        sl.fwd_out = std::move(outs);
+      const auto& in_specs = sigs_[e.local].inputs.specs;
+      if (trains_[e.local])
+        for (size_t i = 0; i < inputs.size() && i < in_specs.size(); ++i)
+          if (in_specs[i].differentiable()) inputs[i].set_requires_grad(true);
+      auto outs = stage.forward(e.mb, inputs);
+      if (last) {
+        if (trains_[e.local]) sl.roots = std::move(outs);
+      } else {
+        const auto& out_specs = sigs_[e.local].outputs.specs;
+        check_outputs(outs, out_specs, "outputs", e.stage, e.mb);
+        std::vector<at::Tensor> detached;
+        detached.reserve(outs.size());
+        for (size_t i = 0; i < outs.size(); ++i) {
+          detached.push_back(outs[i].detach());  // the next stage starts its own graph
+          if (trains_[e.local] && out_specs[i].differentiable()) sl.roots.push_back(std::move(outs[i]));
+        }
+        if (e.handoff >= 0) slot(e.handoff, e.mb).fwd_in = std::move(detached);
+        else sl.fwd_out = std::move(detached);
       }
+      if (trains_[e.local]) sl.saved_in = std::move(inputs);
       break;
     }
     case Op::BackwardInput:
     case Op::BackwardFull: {
       if (e.needs_recv) wait_recv(sl.grad_recv, sl.grad_recv_comm, rec);
-      auto grads = std::move(sl.grad_in);
+      std::vector<at::Tensor> root_grads = std::move(sl.grad_in);
       sl.grad_in.clear();
-      auto in_grads = e.op == Op::BackwardFull ? stage.backward_full(e.mb, std::move(grads))
-                                               : stage.backward_input(e.mb, std::move(grads));
+      auto roots = std::move(sl.roots);
+      auto inputs = std::move(sl.saved_in);
+      sl.roots.clear();
+      sl.saved_in.clear();
+      if (last) {
+        root_grads.clear();
+        for (const auto& r : roots) root_grads.push_back(at::full_like(r, loss_scale_));
+      }
+      std::vector<at::Tensor> in_grads;
+      if (e.op == Op::BackwardFull || queues_weight_[e.local]) {
+        in_grads = backward_full(roots, root_grads, inputs);
+        if (e.op == Op::BackwardFull && queues_weight_[e.local]) stage.run_weight_work(e.mb);
+      } else {
+        in_grads = backward_input(roots, root_grads, inputs, sl.weight);
+      }
+      roots.clear();  // frees the input closure of the graph now, not at the end of the step
       if (e.handoff >= 0 || e.to_send) {
-        check_outputs(in_grads, differentiable(sigs_[e.local].inputs.specs), "input gradients",
-                      e.stage, e.mb);
-        if (e.handoff >= 0) slot(e.handoff, e.mb).grad_in = std::move(in_grads);
-        else sl.grad_out = std::move(in_grads);
+        // One gradient per differentiable input; zeros where the stage did not use it.
+        std::vector<at::Tensor> out;
+        const auto& in_specs = sigs_[e.local].inputs.specs;
+        for (size_t i = 0; i < inputs.size() && i < in_specs.size(); ++i)
+          if (in_specs[i].differentiable())
+            out.push_back(in_grads[i].defined() ? std::move(in_grads[i]) : at::zeros_like(inputs[i]));
+        check_outputs(out, in_grad_specs_[e.local], "input gradients", e.stage, e.mb);
+        if (e.handoff >= 0) slot(e.handoff, e.mb).grad_in = std::move(out);
+        else sl.grad_out = std::move(out);
       }
       break;
     }
     case Op::BackwardWeight:
-      stage.backward_weight(e.mb);
+      if (queues_weight_[e.local]) stage.run_weight_work(e.mb);
+      else backward_weight(sl.weight);
       break;
     case Op::Comm:
       break;
   }
 }
 
-void Executor::run() {
+void Executor::run(double loss_scale) {
   if (broken_)
     throw PipelineError(detail::str(
         "zbpipe: rank ", rank_, ": this schedule failed in an earlier step; its process group "
@@ -300,9 +362,11 @@ void Executor::run() {
       auto sigs = exchange_signatures(program_, *p2p_, handles, options_.timeout);
       sigs_.clear();
       grad_specs_.clear();
+      in_grad_specs_.clear();
       for (int s : stage_ids_) {
         sigs_.push_back(sigs.at(s));
         grad_specs_.push_back(differentiable(sigs_.back().outputs.specs));
+        in_grad_specs_.push_back(differentiable(sigs_.back().inputs.specs));
       }
     } catch (const std::exception& ex) {
       broken_ = true;
@@ -310,7 +374,17 @@ void Executor::run() {
     }
     ready_ = true;
   }
+  loss_scale_ = loss_scale;
   timer_->start_step();
+  prepost_ = options_.prepost_receives && p2p_->tag_matched();
+  if (prepost_) {
+    try {
+      prepost_receives();
+    } catch (const std::exception& ex) {
+      abandon_in_flight();
+      fail(kStepStart, detail::str("posting this step's receives failed: ", ex.what()));
+    }
+  }
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
     TraceRecord& rec = trace_[i];
@@ -340,6 +414,9 @@ void Executor::run() {
     sl.grad_out.clear();
     sl.fwd_recv.reset();
     sl.grad_recv.reset();
+    sl.saved_in.clear();
+    sl.roots.clear();
+    sl.weight.clear();
   }
   timer_->collect(trace_);
 }

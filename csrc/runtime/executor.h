@@ -1,7 +1,8 @@
-// The executor: walks one rank's lowered program, posting receives at their RECV action,
-// waiting on them right before the compute that needs them, calling the stages for compute and
-// sending adjacent communication actions as one batch. The dispatch table is built once per
-// program; a step allocates only its receive buffers.
+// The executor: walks one rank's lowered program, posting receives (all at step start on
+// tag-matched backends such as Gloo, else at their RECV action), waiting on them right before
+// the compute that needs them, calling the stages' forwards, running their backward (B, or I
+// then W) on the autograd engine, and sending adjacent communication actions as one batch.
+// The dispatch table is built once per program; a step allocates only its receive buffers.
 #pragma once
 
 #include <chrono>
@@ -12,6 +13,7 @@
 #include "runtime/device.h"
 #include "runtime/handshake.h"
 #include "runtime/p2p.h"
+#include "runtime/stage_backward.h"
 #include "runtime/stage_handle.h"
 #include "runtime/trace.h"
 #include "zbpipe/program.h"
@@ -21,6 +23,11 @@ namespace zbpipe::runtime {
 struct ExecutorOptions {
   std::chrono::milliseconds timeout{300000};  // every wait: receives, sends, handshake
   bool device_timing = false;                 // per-action device events (accelerators only)
+  // On tag-matched backends (Gloo), post every receive of the step when the step starts rather
+  // than at its RECV action. A Gloo send whose receive is already posted goes out in one
+  // message; otherwise it waits for a receive-ready notice from the peer (an extra round trip
+  // through both ranks' transport threads). Costs the step's receive buffers up front.
+  bool prepost_receives = true;
 };
 
 class Executor {
@@ -30,10 +37,12 @@ class Executor {
            std::map<int, std::shared_ptr<StageHandle>> stages, ExecutorOptions options);
   ~Executor();
 
-  // Runs one step (every microbatch). The first call runs the signature handshake. Throws
-  // PipelineError naming the rank and failing action, with the program grid marked. After a
-  // failure the executor (and the process group's pending traffic) is unusable.
-  void run();
+  // Runs one step (every microbatch). The first call runs the signature handshake. Each
+  // microbatch loss starts its backward with gradient `loss_scale` (1/n: the gradient of the
+  // mean loss). Throws PipelineError naming the rank and failing action, with the program grid
+  // marked. After a failure the executor (and the process group's pending traffic) is unusable.
+  // Call without the Python GIL.
+  void run(double loss_scale = 1.0);
 
   const std::vector<TraceRecord>& trace() const { return trace_; }
   const Program& program() const { return program_; }
@@ -64,18 +73,27 @@ class Executor {
   // Per local stage and microbatch, the tensors in flight during a step.
   struct Slot {
     std::vector<at::Tensor> fwd_in, grad_in, fwd_out, grad_out;
+    std::vector<at::Tensor> saved_in, roots;  // from F to B/I: the backward's leaves and roots
+    WeightWork weight;                        // from I to W
     std::shared_ptr<Batch> fwd_recv, grad_recv;
     int fwd_recv_comm = -1, grad_recv_comm = -1;  // index in comms_ of the pending receive
   };
 
   void build_dispatch();
   void run_entry(const Entry& e, TraceRecord& rec);
+  // Posts the sends of a comm entry and, unless they were preposted, its receives.
   void post_comm(const Entry& e);
+  // Allocates the slot's buffers for receive action `k` and appends its receive ops.
+  void add_recv_ops(const Comm& k, std::vector<P2POp>& ops);
+  // Posts every receive of the step, one batch per action (waiting on one waits on no other).
+  void prepost_receives();
   void wait_recv(std::shared_ptr<Batch>& batch, int comm, TraceRecord& rec);
   void check_outputs(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want,
                      const char* what, int stage, int mb) const;
   Slot& slot(int local, int mb) { return slots_[static_cast<size_t>(local) * program_.microbatches + mb]; }
+  // `index`: the failing action's, kStepStart before the first, or past the end after the last.
   [[noreturn]] void fail(int index, const std::string& what);
+  static constexpr int kStepStart = -2;
   // After a failure: unfinished batches stay alive (see P2P::abandon), step state is dropped.
   void abandon_in_flight();
 
@@ -87,12 +105,17 @@ class Executor {
   std::vector<std::shared_ptr<StageHandle>> stages_; // local index -> handle
   std::vector<StageSignatures> sigs_;                // local index -> agreed signatures
   std::vector<std::vector<TensorSpec>> grad_specs_;  // local index -> differentiable outputs
+  std::vector<std::vector<TensorSpec>> in_grad_specs_;  // local index -> differentiable inputs
+  std::vector<uint8_t> trains_;                      // local index -> has backward actions
+  std::vector<uint8_t> queues_weight_;               // local index -> stage queues its own W work
+  double loss_scale_ = 1.0;
   std::vector<Entry> entries_;
   std::vector<Comm> comms_;
   std::vector<Slot> slots_;
   std::vector<std::shared_ptr<Batch>> pending_sends_;
   std::vector<TraceRecord> trace_;
   std::unique_ptr<DeviceTimer> timer_;
+  bool prepost_ = false; // receives are posted at step start (see ExecutorOptions)
   bool ready_ = false;   // handshake done
   bool broken_ = false;  // a step failed
 };

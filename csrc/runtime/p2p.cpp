@@ -17,6 +17,11 @@ struct Batch {
   bool done = false;
 };
 
+int wire_tag(int tag, int sender, int receiver) {
+  ZB_CHECK(tag >= 0 && tag < (1 << 30), "message tag ", tag, " out of range");
+  return tag * 2 + (sender < receiver ? 1 : 0);
+}
+
 P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device)
     : pg_(std::move(pg)), device_(device) {
   ZB_CHECK(pg_, "a process group is required");
@@ -39,7 +44,8 @@ std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
     std::vector<at::Tensor> one{op.tensor};
     ZB_CHECK(op.peer >= 0 && op.peer < size_ && op.peer != rank_, "bad peer rank ", op.peer,
              " for rank ", rank_, " in a group of ", size_);
-    return op.is_send ? pg_->send(one, op.peer, op.tag) : pg_->recv(one, op.peer, op.tag);
+    const int tag = wire_tag(op.tag, op.is_send ? rank_ : op.peer, op.is_send ? op.peer : rank_);
+    return op.is_send ? pg_->send(one, op.peer, tag) : pg_->recv(one, op.peer, tag);
   };
   if (coalesce_ && ops.size() > 1) {
     pg_->startCoalescing(device_.type());

@@ -25,6 +25,17 @@ struct P2POp {
   at::Tensor tensor;
 };
 
+// The tag a message travels with: `tag` (the executor's, unique per message of a step) with
+// the direction of the rank pair in its lowest bit. ProcessGroupGloo sends a message through
+// context `tag % contexts` (one context per device, each with its own sockets and transport
+// thread). With one context, a rank posting a send holds the connection's lock while its own
+// transport thread wants it to read what the peer is sending at the same moment; that thread
+// then spins on the lock and, on a busy machine, can take the sender's CPU for a scheduler
+// slice (milliseconds, seen in traces as both ranks stuck in a send). With two or more
+// devices (GLOO_SOCKET_IFNAME=lo,lo) the direction bit puts the two directions of every pair
+// on different connections and transport threads. With one device it changes nothing.
+int wire_tag(int tag, int sender, int receiver);
+
 // A posted batch (opaque: holds the c10d works and keeps its tensors alive until waited).
 struct Batch;
 
@@ -42,6 +53,9 @@ class P2P {
   const std::string& backend_name() const { return backend_name_; }
   // One work per batch (NCCL) rather than one per tensor.
   bool coalesces() const { return coalesce_; }
+  // Messages match on (peer, tag) and complete on the host (Gloo): receives may be posted in
+  // any order and ahead of time. Stream-ordered backends (NCCL) match on issue order instead.
+  bool tag_matched() const { return host_blocking_; }
 
   // Posts `ops` (non-empty) as one batch and returns it; the batch keeps the tensors alive.
   std::shared_ptr<Batch> post(std::vector<P2POp> ops);

@@ -32,23 +32,26 @@ struct Signature {
   std::string structure;
 };
 
-// Contract: every call is made from the executor thread, in program order; tensors passed in
-// are owned by the stage afterwards. Microbatch indices are in [0, microbatches).
+// Contract: every call is made from the executor thread, in program order, without the Python
+// GIL held. Microbatch indices are in [0, microbatches). The backward (B, I, W) is the
+// executor's: it runs the autograd engine from the tensors forward returned (see
+// stage_backward.h), so a stage only computes forwards.
 class StageHandle {
  public:
   virtual ~StageHandle() = default;
 
-  // Forward of microbatch `mb`. `inputs` are the tensors of the boundary with the previous
-  // stage (empty on stage 0, which reads its own microbatch arguments). Returns the flat
-  // output tensors (ignored on the last stage, which keeps its loss).
-  virtual std::vector<at::Tensor> forward(int mb, std::vector<at::Tensor> inputs) = 0;
-  // Backward-input (I): `grads` has one tensor per differentiable output (empty on the last
-  // stage); returns one gradient per differentiable input.
-  virtual std::vector<at::Tensor> backward_input(int mb, std::vector<at::Tensor> grads) = 0;
-  // Backward-weight (W) for a microbatch whose backward_input ran.
-  virtual void backward_weight(int mb) = 0;
-  // Full backward (B): input and weight gradients together; returns as backward_input.
-  virtual std::vector<at::Tensor> backward_full(int mb, std::vector<at::Tensor> grads) = 0;
+  // Forward of microbatch `mb` on `inputs`, the tensors of the boundary with the previous
+  // stage (empty on stage 0, which reads its own microbatch arguments); differentiable inputs
+  // already require grad when the step trains. Returns the flat outputs or, on the last
+  // stage, the loss (empty without a loss function). When the step trains, the returned
+  // tensors are the roots of this microbatch's backward.
+  virtual std::vector<at::Tensor> forward(int mb, const std::vector<at::Tensor>& inputs) = 0;
+
+  // Whether the stage queues weight-gradient work of its own during the backward (deferred
+  // nn.Linear): the executor then runs a full backward for I and run_weight_work for W.
+  virtual bool queues_weight_work() const { return false; }
+  // Runs the weight-gradient work queued by microbatch `mb`'s backward.
+  virtual void run_weight_work(int /*mb*/) {}
 
   // Shape inference for the one-time pipeline handshake: given the signature arriving from
   // the previous stage (empty structure on stage 0), returns this stage's output signature.

@@ -2,8 +2,9 @@
 leaves anything behind: a failed rank, a deadline, Ctrl-C or the parent dying all end every child.
 
 Rendezvous is a FileStore in a fresh temporary directory, so concurrent runs on one machine
-cannot collide on a port. Gloo is bound to the loopback interface (127.0.0.1); `device="cuda"`
-selects NCCL with rank r on cuda:(r % device_count).
+cannot collide on a port. Gloo is bound to the loopback interface (127.0.0.1), with
+`gloo_devices` devices on it (default 2: zbpipe routes the two directions of a rank pair through
+different ones); `device="cuda"` selects NCCL with rank r on cuda:(r % device_count).
 """
 
 from __future__ import annotations
@@ -39,13 +40,16 @@ def _child(
     device: str,
     pg_timeout_s: float,
     threads: int,
+    gloo_devices: int,
     fn: Callable[..., Any],
     args: tuple,
 ) -> None:
     _die_with_parent()
     # The parent owns Ctrl-C handling; a child interrupted mid-collective would only add noise.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    # One Gloo device (own connections and transport thread) per entry; zbpipe sends the two
+    # directions of a rank pair through different ones (see csrc/runtime/p2p.h, wire_tag).
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", ",".join(["lo"] * gloo_devices))
     torch.set_num_threads(threads)
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -84,6 +88,7 @@ def run_local(
     timeout_s: float = 600.0,
     pg_timeout_s: float = 120.0,
     threads: int = 1,
+    gloo_devices: int = 2,
 ) -> None:
     """Calls `fn(rank, world, torch_device, *args)` in `world` spawned processes.
 
@@ -98,7 +103,7 @@ def run_local(
         procs = [
             ctx.Process(
                 target=_child,
-                args=(r, world, tmp, device, pg_timeout_s, threads, fn, args),
+                args=(r, world, tmp, device, pg_timeout_s, threads, gloo_devices, fn, args),
                 daemon=True,
             )
             for r in range(world)
