@@ -1,7 +1,8 @@
 """Pipelined steps equal a single-process reference: loss and every parameter gradient, for
 every schedule of zbpipe.schedule_names(), pp in {2, 4}, two microbatch counts, four models
-(MLP, transformer blocks, a weight used twice, dict outputs), the deferred-Linear option and
-gradient accumulation over two steps; inference checks the forward only.
+(MLP, transformer blocks, a weight used twice, dict outputs), the deferred-Linear option,
+gradient accumulation over two steps and receives posted at their RECV action instead of at
+step start; inference checks the forward only.
 
 All configurations of one pp run inside ONE spawned Gloo world (2 CPU cores in CI).
 """
@@ -38,7 +39,8 @@ def _close(a, b) -> bool:
     return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
 
 
-def _check(zbpipe, rank, pp, name, m, model, *, steps=1, deferred=False, kwargs=None, train=True):
+def _check(zbpipe, rank, pp, name, m, model, *, steps=1, deferred=False, kwargs=None, train=True,
+           prepost=True):
     """One configuration; returns a failure description or None."""
     prog = zbpipe._C.build(name, pp, m)  # topology only
     num_stages = prog.num_stages
@@ -64,8 +66,9 @@ def _check(zbpipe, rank, pp, name, m, model, *, steps=1, deferred=False, kwargs=
         zbpipe.PipelineStage(mods[s], s, num_stages, "cpu", deferred_linear=deferred) for s in mine
     ]
     cls = zbpipe.get_schedule_class(name)
-    sched = cls(stages if len(stages) > 1 else stages[0], m, loss_fn=loss_fn if train else None, timeout=30)
-    tag = f"{name} pp={pp} mb={m} model={model} steps={steps} deferred={deferred} rank={rank}"
+    sched = cls(stages if len(stages) > 1 else stages[0], m, loss_fn=loss_fn if train else None, timeout=30,
+                prepost_receives=prepost)
+    tag = f"{name} pp={pp} mb={m} model={model} steps={steps} deferred={deferred} prepost={prepost} rank={rank}"
     for k, (x, y) in enumerate(batches):
         losses = []
         args = (x,) if 0 in mine else ()
@@ -113,7 +116,9 @@ def _exact_world(rank, pp):
         failures.append(_check(zbpipe, rank, pp, name, m, "twice", steps=2))
         failures.append(_check(zbpipe, rank, pp, name, m, "mlp", steps=2, deferred=True))
         failures.append(_check(zbpipe, rank, pp, name, m, "mlp", train=False))  # forward only
-        checked += 3
+        # Receives posted at their RECV action (the NCCL path) instead of at step start.
+        failures.append(_check(zbpipe, rank, pp, name, m, "dict", steps=2, prepost=False))
+        checked += 4
     return {"failures": [f for f in failures if f], "checked": checked}
 
 

@@ -72,6 +72,9 @@ class PipelineSchedule:
         device_timing: record per-action device times (accelerators) in trace().
         compile_options: extra zbpipe.compile() arguments, e.g. for zb_auto
             dict(f=..., b=..., w=..., comm=..., memory_cap=...) (measured stage costs).
+        prepost_receives: on Gloo, post every receive of a step when it starts (a send then
+            finds its receive waiting); False posts each at its RECV action, as on NCCL,
+            holding fewer receive buffers at a time.
     """
 
     schedule: str = ""
@@ -90,6 +93,7 @@ class PipelineSchedule:
         timeout: float = 300.0,
         device_timing: bool = False,
         compile_options: dict | None = None,
+        prepost_receives: bool = True,
         _program: _C.Program | None = None,
     ):
         if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
@@ -111,6 +115,7 @@ class PipelineSchedule:
         self._scale_grads = scale_grads
         self._timeout = float(timeout)
         self._device_timing = device_timing
+        self._prepost_receives = prepost_receives
         self._group = group
         pp = self._stages[0].group_size
         num_stages = self._stages[0].num_stages
@@ -151,6 +156,7 @@ class PipelineSchedule:
                 self._stages[0].device,
                 self._timeout,
                 self._device_timing,
+                self._prepost_receives,
             )
         return self._executor
 
