@@ -1,10 +1,10 @@
 """Spawned Gloo worlds on 127.0.0.1 for the runtime tests: bounded time, always cleaned up.
 
 run_world(pp, fn, *args) starts pp processes, each calling fn(rank, pp, *args) after
-init_process_group, and returns {rank: result} plus the exit codes. `gloo_devices` loopback
-devices back the group (zbpipe sends the two directions of a rank pair through different ones
-when there are two). A worker that raises
+init_process_group, and returns {rank: result} plus the exit codes. A worker that raises
 returns {"error": traceback}; processes still alive at the deadline are killed (and reported).
+`gloo_devices` loopback devices back the group (with two, zbpipe sends the two directions of a
+rank pair through different ones).
 """
 
 from __future__ import annotations

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 
-
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
     if p.grad is None:
         p.grad = g
