@@ -9,6 +9,7 @@ autograd engine (csrc/runtime/stage_backward.h).
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import torch
@@ -65,7 +66,6 @@ class PipelineStage:
         self._input_args = input_args
         self._output_args = output_args
         self._linear = DeferredLinearHook(submodule) if deferred_linear else None
-        self._zb_queues_weight_work = deferred_linear  # read once by the executor
         self._in_structure: str | None = None
         self._in_parsed: Any = None
         self._out_structure: str | None = None
@@ -116,13 +116,15 @@ class PipelineStage:
         self.outputs[mb] = _detach(out)
         if self._loss_fn is None:
             return []
-        if self._has_backward:
+        with contextlib.nullcontext() if self._has_backward else torch.no_grad():
             loss = self._loss_fn(out, self._targets[mb])
-        else:
-            with torch.no_grad():
-                loss = self._loss_fn(out, self._targets[mb])
         self.losses[mb] = loss.detach()
         return [loss] if self._has_backward else []
+
+    @property
+    def _zb_queues_weight_work(self) -> bool:
+        """Read once by the executor: W runs _zb_weight_work instead of its graph split."""
+        return self._linear is not None
 
     def _zb_weight_work(self, mb: int) -> None:
         """W of a deferred_linear stage: the Linear weight gradients its backward queued."""

@@ -223,11 +223,15 @@ void Executor::prepost_receives() {
     std::vector<P2POp> ops;
     add_recv_ops(k, ops);
     if (ops.empty()) continue;  // nothing differentiable crosses: no message
-    auto batch = p2p_->post(std::move(ops));
-    Slot& sl = slot(k.local, k.mb);
-    (k.kind == Kind::RECV_F ? sl.fwd_recv : sl.grad_recv) = std::move(batch);
-    (k.kind == Kind::RECV_F ? sl.fwd_recv_comm : sl.grad_recv_comm) = c;
+    track_recv(c, p2p_->post(std::move(ops)));
   }
+}
+
+void Executor::track_recv(int c, std::shared_ptr<Batch> batch) {
+  const Comm& k = comms_[c];
+  Slot& sl = slot(k.local, k.mb);
+  (k.kind == Kind::RECV_F ? sl.fwd_recv : sl.grad_recv) = std::move(batch);
+  (k.kind == Kind::RECV_F ? sl.fwd_recv_comm : sl.grad_recv_comm) = c;
 }
 
 void Executor::post_comm(const Entry& e) {
@@ -256,19 +260,9 @@ void Executor::post_comm(const Entry& e) {
   }
   if (ops.empty()) return;
   auto batch = p2p_->post(std::move(ops));
-  if (!prepost_) {
-    for (int c = e.comm_begin; c < e.comm_end; ++c) {
-      const Comm& k = comms_[c];
-      Slot& sl = slot(k.local, k.mb);
-      if (k.kind == Kind::RECV_F) {
-        sl.fwd_recv = batch;
-        sl.fwd_recv_comm = c;
-      } else if (k.kind == Kind::RECV_B) {
-        sl.grad_recv = batch;
-        sl.grad_recv_comm = c;
-      }
-    }
-  }
+  if (!prepost_)
+    for (int c = e.comm_begin; c < e.comm_end; ++c)
+      if (comms_[c].kind == Kind::RECV_F || comms_[c].kind == Kind::RECV_B) track_recv(c, batch);
   if (has_send) pending_sends_.push_back(std::move(batch));
 }
 
@@ -407,17 +401,7 @@ void Executor::run(double loss_scale) {
     fail(-1, ex.what());
   }
   pending_sends_.clear();
-  for (auto& sl : slots_) {
-    sl.fwd_in.clear();
-    sl.grad_in.clear();
-    sl.fwd_out.clear();
-    sl.grad_out.clear();
-    sl.fwd_recv.reset();
-    sl.grad_recv.reset();
-    sl.saved_in.clear();
-    sl.roots.clear();
-    sl.weight.clear();
-  }
+  slots_.assign(slots_.size(), Slot{});  // every batch completed: drop the step's tensors
   timer_->collect(trace_);
 }
 

@@ -87,6 +87,8 @@ class Executor {
   void add_recv_ops(const Comm& k, std::vector<P2POp>& ops);
   // Posts every receive of the step, one batch per action (waiting on one waits on no other).
   void prepost_receives();
+  // Records `batch` as the pending receive of receive action comms_[c] in its slot.
+  void track_recv(int c, std::shared_ptr<Batch> batch);
   void wait_recv(std::shared_ptr<Batch>& batch, int comm, TraceRecord& rec);
   void check_outputs(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want,
                      const char* what, int stage, int mb) const;
