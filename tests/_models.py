@@ -9,6 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 WIDTH = 8
 
@@ -65,6 +66,17 @@ class DictStage(nn.Module):
         return {"h": h, "skip": skip * 0.5 + h, "count": count + 1}
 
 
+class CheckpointStage(nn.Module):
+    """MLPStage's layers under non-reentrant torch.utils.checkpoint (recomputed in the backward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp = MLPStage()
+
+    def forward(self, x):
+        return checkpoint(self.mlp, x, use_reentrant=False)
+
+
 def dict_loss(out, y):
     return F.mse_loss(out["h"] + out["skip"], y) + 0.0 * out["count"].float().sum()
 
@@ -75,6 +87,7 @@ MODELS = {
     "block": (lambda i: BlockStage(), (3, WIDTH), F.mse_loss),
     "twice": (lambda i: TwiceStage(), (WIDTH,), F.mse_loss),
     "dict": (lambda i: DictStage(i == 0), (WIDTH,), dict_loss),
+    "ckpt": (lambda i: CheckpointStage(), (WIDTH,), F.mse_loss),
 }
 
 

@@ -1,8 +1,9 @@
 """Pipelined steps equal a single-process reference: loss and every parameter gradient, for
-every schedule of zbpipe.schedule_names(), pp in {2, 4}, two microbatch counts, four models
-(MLP, transformer blocks, a weight used twice, dict outputs), the deferred-Linear option,
-gradient accumulation over two steps and receives posted at their RECV action instead of at
-step start; inference checks the forward only.
+every schedule of zbpipe.schedule_names(), pp in {2, 4}, two microbatch counts, five models
+(MLP, transformer blocks, a weight used twice, dict outputs, non-reentrant checkpoint), the
+deferred-Linear option (also under checkpoint), gradient accumulation over two steps and
+receives posted at their RECV action instead of at step start; inference checks the forward
+only.
 
 All configurations of one pp run inside ONE spawned Gloo world (2 CPU cores in CI).
 """
@@ -110,7 +111,7 @@ def _exact_world(rank, pp):
                 failures.append(_check(zbpipe, rank, pp, name, m, model, kwargs=kwargs))
                 checked += 1
         m = counts[0]
-        for model in ("mlp", "twice", "block"):
+        for model in ("mlp", "twice", "block", "ckpt"):
             failures.append(_check(zbpipe, rank, pp, name, m, model, deferred=True))
             checked += 1
         failures.append(_check(zbpipe, rank, pp, name, m, "twice", steps=2))

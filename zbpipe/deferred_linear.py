@@ -5,6 +5,12 @@ input gradient and queues (input, grad_output) for the W action, which then does
 and bias matmuls. No autograd-graph analysis is involved, so it is the simple alternative to
 the executor's exact graph split (csrc/runtime/stage_backward.h); the other parameters of the
 stage get their gradients during the backward itself.
+
+Checkpointing: while the stage runs a training step, a forward with grad enabled but outside
+the stage's own forward (torch.utils.checkpoint recomputing during the backward) goes through
+the same Function, so a non-reentrant checkpoint recomputes the same saved tensors; that
+recomputed node computes plain Linear gradients if it is ever backpropagated (a reentrant
+checkpoint's inner backward does: those weight gradients are then computed at once, in I).
 """
 
 from __future__ import annotations
@@ -40,7 +46,7 @@ class _DeferredLinearFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, queue):
         ctx.save_for_backward(x, weight)
-        ctx.bias = bias
+        ctx.weight, ctx.bias = weight, bias  # the parameters (a checkpoint unpacks detached copies)
         ctx.queue = queue
         return F.linear(x, weight, bias)
 
@@ -48,16 +54,23 @@ class _DeferredLinearFn(torch.autograd.Function):
     def backward(ctx, gy):
         x, weight = ctx.saved_tensors
         gx = gy.matmul(weight) if ctx.needs_input_grad[0] else None
-        ctx.queue.append(_LinearWeightGrad(x, gy, weight, ctx.bias))
+        if ctx.queue is None:  # a recomputation's node (see the module docstring)
+            gy2 = gy.reshape(-1, gy.shape[-1])
+            gw = gy2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
+            gb = gy2.sum(0) if ctx.needs_input_grad[2] else None
+            return gx, gw, gb, None
+        ctx.queue.append(_LinearWeightGrad(x, gy, ctx.weight, ctx.bias))
         return gx, None, None, None
 
 
 class DeferredLinearHook:
     """Routes the nn.Linear layers of a module through _DeferredLinearFn while `queue` is set
-    (training forward); otherwise (no_grad, shape inference) they run F.linear as usual."""
+    (training forward) or `in_step` (the stage is running a training step: a checkpoint's
+    recomputation); otherwise (no_grad, shape inference, outside a step) they run F.linear."""
 
     def __init__(self, module: torch.nn.Module):
         self.queue: list | None = None
+        self.in_step = False
         self.count = 0
         for m in module.modules():
             if isinstance(m, torch.nn.Linear):
@@ -66,7 +79,7 @@ class DeferredLinearHook:
 
     def _forward_for(self, lin: torch.nn.Linear):
         def forward(x):
-            if self.queue is None or not torch.is_grad_enabled():
+            if not torch.is_grad_enabled() or (self.queue is None and not self.in_step):
                 return F.linear(x, lin.weight, lin.bias)
             return _DeferredLinearFn.apply(x, lin.weight, lin.bias, self.queue)
 

@@ -83,6 +83,8 @@ class PipelineStage:
         self._loss_fn = loss_fn
         self._has_backward = has_backward
         self._queues: dict[int, list] = {}    # mb -> deferred Linear weight work, F to W
+        if self._linear is not None:
+            self._linear.in_step = has_backward  # a checkpoint recomputing defers the same way
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
 

@@ -336,22 +336,35 @@ void register_runtime(py::module_& m) {
 // backward themselves: the same code the executor runs for B, I and W.
 void register_backward(py::module_& m) {
   py::class_<runtime::WeightWork>(m, "WeightWork", "What backward_weight needs, captured by backward_input.")
-      .def("__len__", [](const runtime::WeightWork& w) { return w.edges.size(); },
-           "Number of captured boundary slots.");
+      .def("__len__", [](const runtime::WeightWork& w) { return w.roots.size(); },
+           "Number of W's roots (boundary node inputs and values sent into the weight region).")
+      .def_property_readonly("captured_bytes", &runtime::WeightWork::captured_bytes,
+                             "Bytes of the captured gradients W holds (beyond the graph's saved tensors).")
+      .def_property_readonly("rerun", [](const runtime::WeightWork& w) {
+             py::list names;
+             for (const auto& n : w.rerun) names.append(n->name());
+             return names;
+           }, "Names of the boundary nodes W runs again for their weight side.");
+  py::class_<runtime::SplitPlanCache>(m, "SplitPlanCache",
+      "The I/W split's graph analysis, kept per graph shape (one per stage; the executor keeps its own).")
+      .def(py::init<>())
+      .def_property_readonly("hits", &runtime::SplitPlanCache::hits)
+      .def_property_readonly("misses", &runtime::SplitPlanCache::misses);
   m.def("backward_full", &runtime::backward_full, py::arg("roots"), py::arg("root_grads"), py::arg("inputs"),
         py::call_guard<py::gil_scoped_release>(),
         "B: backpropagates into every leaf's .grad; returns the gradients of `inputs` (None where none).");
   m.def("backward_input", [](const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& root_grads,
-                             const std::vector<at::Tensor>& inputs) {
+                             const std::vector<at::Tensor>& inputs, runtime::SplitPlanCache* cache) {
           auto work = std::make_unique<runtime::WeightWork>();
           std::vector<at::Tensor> grads;
           {
             py::gil_scoped_release nogil;
-            grads = runtime::backward_input(roots, root_grads, inputs, *work);
+            grads = runtime::backward_input(roots, root_grads, inputs, *work, cache);
           }
           return py::make_tuple(grads, std::move(work));
-        }, py::arg("roots"), py::arg("root_grads"), py::arg("inputs"),
-        "I: (gradients of `inputs`, WeightWork); no .grad is touched.");
+        }, py::arg("roots"), py::arg("root_grads"), py::arg("inputs"), py::arg("cache") = nullptr,
+        "I: (gradients of `inputs`, WeightWork); no parameter .grad is touched. `cache`: a "
+        "SplitPlanCache reused across microbatches of one stage (None analyses every call).");
   m.def("backward_weight", &runtime::backward_weight, py::arg("work"),
         py::call_guard<py::gil_scoped_release>(),
         "W: accumulates the parameter gradients captured by backward_input.");

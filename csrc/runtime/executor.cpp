@@ -49,6 +49,7 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
   }
   build_dispatch();
   for (const auto& h : stages_) queues_weight_.push_back(h->queues_weight_work() ? 1 : 0);
+  split_plans_.resize(stages_.size());
   timer_ = std::make_unique<DeviceTimer>(p2p_->device(), options_.device_timing, entries_.size());
 }
 
@@ -319,7 +320,7 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
         in_grads = backward_full(roots, root_grads, inputs);
         if (e.op == Op::BackwardFull && queues_weight_[e.local]) stage.run_weight_work(e.mb);
       } else {
-        in_grads = backward_input(roots, root_grads, inputs, sl.weight);
+        in_grads = backward_input(roots, root_grads, inputs, sl.weight, &split_plans_[e.local]);
       }
       roots.clear();  // frees the input closure of the graph now, not at the end of the step
       if (e.handoff >= 0 || e.to_send) {

@@ -110,6 +110,7 @@ class Executor {
   std::vector<std::vector<TensorSpec>> in_grad_specs_;  // local index -> differentiable inputs
   std::vector<uint8_t> trains_;                      // local index -> has backward actions
   std::vector<uint8_t> queues_weight_;               // local index -> stage queues its own W work
+  std::vector<SplitPlanCache> split_plans_;          // local index -> I/W analysis per graph shape
   double loss_scale_ = 1.0;
   std::vector<Entry> entries_;
   std::vector<Comm> comms_;

@@ -7,8 +7,11 @@
 #include <torch/csrc/autograd/variable.h>
 
 #include <algorithm>
-#include <unordered_map>
+#include <cstring>
+#include <typeinfo>
 #include <unordered_set>
+
+#include "zbpipe/error.h"
 
 namespace zbpipe::runtime {
 
@@ -16,6 +19,8 @@ namespace {
 
 using torch::autograd::Edge;
 using torch::autograd::edge_list;
+using torch::autograd::FunctionPostHook;
+using torch::autograd::FunctionPreHook;
 using torch::autograd::Node;
 using torch::autograd::variable_list;
 
@@ -37,111 +42,255 @@ void root_edges(const std::vector<at::Tensor>& roots, const std::vector<at::Tens
   }
 }
 
-// Boundary slots of the weight region and the boundary nodes to clamp (see the header).
-struct Plan {
-  struct Slot {
-    c10::intrusive_ptr<Node> node;
-    std::vector<uint32_t> input_nrs;  // sorted, unique
-  };
-  std::vector<Slot> slots;               // in discovery order (deterministic)
-  std::unordered_set<const Node*> clamped;
-};
-
-Plan make_plan(const edge_list& roots, const std::vector<const Node*>& input_nodes) {
-  // Every node below the roots, in discovery order, with its parents.
-  std::unordered_map<const Node*, std::vector<const Node*>> parents;
-  std::unordered_set<const Node*> seen;
-  std::vector<const Node*> order, stack;
-  for (const Edge& e : roots)
-    if (seen.insert(e.function.get()).second) stack.push_back(e.function.get());
-  while (!stack.empty()) {
-    const Node* n = stack.back();
-    stack.pop_back();
-    order.push_back(n);
-    for (const Edge& c : n->next_edges()) {
-      if (!c.is_valid()) continue;
-      parents[c.function.get()].push_back(n);
-      if (seen.insert(c.function.get()).second) stack.push_back(c.function.get());
-    }
-  }
-
-  // Input closure: the inputs' nodes and everything above them.
-  std::unordered_set<const Node*> closure;
-  for (const Node* n : input_nodes)
-    if (seen.count(n)) stack.push_back(n);
-  while (!stack.empty()) {
-    const Node* n = stack.back();
-    stack.pop_back();
-    if (!closure.insert(n).second) continue;
-    auto it = parents.find(n);
-    if (it == parents.end()) continue;
-    for (const Node* p : it->second)
-      if (!closure.count(p)) stack.push_back(p);
-  }
-
-  Plan plan;
-  std::unordered_map<const Node*, size_t> slot_of;
-  auto add_slot = [&](const Edge& e) {
-    auto [it, fresh] = slot_of.emplace(e.function.get(), plan.slots.size());
-    if (fresh) plan.slots.push_back(Plan::Slot{e.function, {}});
-    auto& nrs = plan.slots[it->second].input_nrs;
-    if (std::find(nrs.begin(), nrs.end(), e.input_nr) == nrs.end()) nrs.push_back(e.input_nr);
-  };
-  for (const Node* n : order) {
-    if (!closure.count(n)) continue;
-    for (const Edge& c : n->next_edges())
-      if (c.is_valid() && !closure.count(c.function.get())) add_slot(c);
-  }
-  for (const Edge& e : roots)  // outputs computed without touching the inputs
-    if (!closure.count(e.function.get())) add_slot(e);
-
-  // Boundary nodes below another boundary node get a second path in W: clamp them, and
-  // capture every slot of theirs that receives anything.
-  std::unordered_set<const Node*> below;
-  for (const auto& s : plan.slots)
-    for (const Edge& c : s.node->next_edges())
-      if (c.is_valid() && !closure.count(c.function.get())) stack.push_back(c.function.get());
-  while (!stack.empty()) {
-    const Node* n = stack.back();
-    stack.pop_back();
-    if (!below.insert(n).second) continue;
-    for (const Edge& c : n->next_edges())
-      if (c.is_valid() && !closure.count(c.function.get())) stack.push_back(c.function.get());
-  }
-  const size_t boundary = plan.slots.size();
-  for (size_t i = 0; i < boundary; ++i) {
-    const Node* b = plan.slots[i].node.get();
-    if (!below.count(b)) continue;
-    plan.clamped.insert(b);
-    for (const Node* p : parents[b])
-      for (const Edge& c : p->next_edges())
-        if (c.function.get() == b) add_slot(c);
-  }
-  for (auto& s : plan.slots) std::sort(s.input_nrs.begin(), s.input_nrs.end());
-  return plan;
+// Torch's generated backward nodes (torch::autograd::generated::*) compute only the outputs
+// the running graph task needs (task_should_compute_output) and have no side effects, so a
+// boundary node of theirs can run its input side in I and its weight side in W. Not all of
+// them derive from TraceableFunction (TBackward0 is a plain Node), hence the namespace test.
+bool is_generated(const Node& n) {
+  static constexpr char kPrefix[] = "N5torch8autograd9generated";  // Itanium mangling
+  return std::strncmp(typeid(n).name(), kPrefix, sizeof(kPrefix) - 1) == 0;
 }
 
-// During W, replaces the gradients arriving at a clamped node with I's captured totals.
-class ClampHook final : public torch::autograd::FunctionPreHook {
+// Role of a node in the split, by DFS index.
+enum Role : uint8_t {
+  kWeight,    // weight region: runs in W
+  kClosure,   // input closure, not a boundary: runs in I, released after I
+  kInput,     // a stage input's node: the split stops there (not run, not released)
+  kRerun,     // generated boundary node: input side in I, weight side in W
+  kKeepInI,   // other boundary node: runs whole in I; what it sends the weight region feeds W
+};
+
+// The analysis of one graph shape.
+struct Plan {
+  std::vector<uint64_t> signature;
+  std::vector<uint8_t> role;                        // by DFS index
+  std::vector<uint32_t> rerun;                      // kRerun nodes, DFS order
+  std::vector<std::pair<uint32_t, uint32_t>> cuts;  // (kRerun node, next edge into C)
+  std::vector<uint32_t> keep;                       // kKeepInI nodes
+  std::vector<std::vector<uint32_t>> sends;         // per keep node: its edges into the weight region
+  std::vector<uint32_t> release;                    // kClosure and kKeepInI nodes
+  std::vector<uint32_t> closure_roots, weight_roots;  // positions in the valid roots
+};
+
+constexpr uint64_t kInvalidEdge = ~uint64_t{0};
+constexpr uint64_t kInputMark = ~uint64_t{0} - 1;
+constexpr size_t kMaxShapes = 4;  // graph shapes remembered per stage
+
+// Captures the gradients a boundary node is about to run on (appended last to its pre-hooks:
+// after its tensor pre-hooks, retains_grad hooks and other function pre-hooks).
+class CaptureInputs final : public FunctionPreHook {
  public:
-  explicit ClampHook(std::vector<std::pair<uint32_t, at::Tensor>> caps) : caps_(std::move(caps)) {}
+  CaptureInputs(variable_list* dest, bool* fired) : dest_(dest), fired_(fired) {}
   variable_list operator()(const variable_list& grads) override {
-    variable_list out = grads;
-    for (const auto& [nr, g] : caps_)
-      if (nr < out.size()) out[nr] = g;
-    return out;
+    *dest_ = grads;
+    *fired_ = true;
+    return grads;
   }
 
  private:
-  std::vector<std::pair<uint32_t, at::Tensor>> caps_;
+  variable_list* dest_;
+  bool* fired_;
+};
+
+// Captures what a kept-in-I node sends along its weight-region edges (appended last to its
+// post-hooks: the values the engine would route).
+class CaptureSends final : public FunctionPostHook {
+ public:
+  CaptureSends(const std::vector<uint32_t>* edges, variable_list* dest) : edges_(edges), dest_(dest) {}
+  variable_list operator()(const variable_list& outputs, const variable_list& /*inputs*/) override {
+    dest_->clear();
+    for (uint32_t e : *edges_) dest_->push_back(e < outputs.size() ? outputs[e] : at::Tensor());
+    return outputs;
+  }
+
+ private:
+  const std::vector<uint32_t>* edges_;
+  variable_list* dest_;
+};
+
+template <typename Hook>
+void erase_hook(std::vector<std::unique_ptr<Hook>>& hooks, const Hook* h) {
+  hooks.erase(std::remove_if(hooks.begin(), hooks.end(), [h](const auto& p) { return p.get() == h; }),
+              hooks.end());
+}
+
+// A boundary node's hooks, moved out for W (they ran in I) and put back after.
+struct StrippedHooks {
+  Node* node;
+  std::vector<std::unique_ptr<FunctionPreHook>> tensor_pre, pre;
+  std::unordered_map<size_t, std::unique_ptr<FunctionPreHook>> retains;
+  std::vector<std::unique_ptr<FunctionPostHook>> post;
+
+  explicit StrippedHooks(Node* n)
+      : node(n),
+        tensor_pre(std::move(n->tensor_pre_hooks())),
+        pre(std::move(n->pre_hooks())),
+        retains(std::move(n->retains_grad_hooks())),
+        post(std::move(n->post_hooks())) {
+    n->tensor_pre_hooks().clear();
+    n->pre_hooks().clear();
+    n->retains_grad_hooks().clear();
+    n->post_hooks().clear();
+  }
+  void restore() {
+    node->tensor_pre_hooks() = std::move(tensor_pre);
+    node->pre_hooks() = std::move(pre);
+    node->retains_grad_hooks() = std::move(retains);
+    node->post_hooks() = std::move(post);
+  }
+  static bool any(Node* n) {
+    return !n->tensor_pre_hooks().empty() || !n->pre_hooks().empty() ||
+           !n->retains_grad_hooks().empty() || !n->post_hooks().empty();
+  }
 };
 
 }  // namespace
 
+struct SplitPlanCache::Impl {
+  // Scratch of the walk, reused across calls.
+  std::unordered_map<const Node*, uint32_t> index;
+  std::vector<Node*> order;   // DFS index -> node
+  std::vector<Node*> stack;
+  std::vector<uint64_t> sig;
+  std::vector<const Node*> input_nodes;
+  std::vector<Plan> plans;    // most recently used first
+
+  // One DFS from the roots: numbers the nodes in discovery order and writes the shape's
+  // signature (per node popped: its type, then each next edge as child index and input
+  // number), not descending below a stage input. Equal signatures mean equal shapes.
+  void walk(const edge_list& roots) {
+    index.clear();
+    order.clear();
+    stack.clear();
+    sig.clear();
+    auto visit = [&](Node* n) -> uint64_t {
+      auto [it, fresh] = index.emplace(n, static_cast<uint32_t>(order.size()));
+      if (fresh) {
+        order.push_back(n);
+        stack.push_back(n);
+      }
+      return it->second;
+    };
+    for (const Edge& e : roots) sig.push_back(visit(e.function.get()) << 32 | e.input_nr);
+    for (const Node* n : input_nodes) {
+      auto it = index.find(n);
+      sig.push_back(it == index.end() ? kInvalidEdge : it->second);
+    }
+    while (!stack.empty()) {
+      Node* n = stack.back();
+      stack.pop_back();
+      sig.push_back(reinterpret_cast<uintptr_t>(&typeid(*n)));
+      if (std::find(input_nodes.begin(), input_nodes.end(), n) != input_nodes.end()) {
+        sig.push_back(kInputMark);
+        continue;
+      }
+      sig.push_back(n->next_edges().size());
+      for (const Edge& c : n->next_edges())
+        sig.push_back(c.is_valid() ? visit(c.function.get()) << 32 | c.input_nr : kInvalidEdge);
+    }
+  }
+
+  // The plan of the shape just walked (analysed on a miss).
+  const Plan* find() {
+    for (size_t i = 0; i < plans.size(); ++i) {
+      if (plans[i].signature != sig) continue;
+      if (i != 0) std::rotate(plans.begin(), plans.begin() + i, plans.begin() + i + 1);
+      return &plans.front();
+    }
+    return nullptr;
+  }
+
+  const Plan& analyse(const edge_list& roots) {
+    const size_t n = order.size();
+    Plan plan;
+    plan.signature = sig;
+    plan.role.assign(n, kWeight);
+    std::vector<std::vector<uint32_t>> parents(n);
+    std::vector<uint8_t> is_input(n, 0);
+    for (const Node* in : input_nodes) {
+      auto it = index.find(in);
+      if (it != index.end()) is_input[it->second] = 1;
+    }
+    for (uint32_t i = 0; i < n; ++i) {
+      if (is_input[i]) continue;
+      for (const Edge& c : order[i]->next_edges())
+        if (c.is_valid()) parents[index.at(c.function.get())].push_back(i);
+    }
+    // Input closure: the inputs' nodes and everything above them.
+    std::vector<uint32_t> todo;
+    for (uint32_t i = 0; i < n; ++i)
+      if (is_input[i]) {
+        plan.role[i] = kInput;
+        todo.push_back(i);
+      }
+    std::vector<uint8_t> in_c(n, 0);
+    while (!todo.empty()) {
+      uint32_t i = todo.back();
+      todo.pop_back();
+      if (in_c[i]) continue;
+      in_c[i] = 1;
+      for (uint32_t p : parents[i])
+        if (!in_c[p]) todo.push_back(p);
+    }
+    for (uint32_t i = 0; i < n; ++i) {
+      if (!in_c[i] || is_input[i]) continue;
+      Node* node = order[i];
+      const bool generated = is_generated(*node);
+      // A reentrant checkpoint runs its own backward inside ours, which the engine refuses
+      // while only the inputs' gradients are asked for.
+      if (!generated && node->name() == "CheckpointFunctionBackward")
+        throw ::zbpipe::Error(
+            "zbpipe split backward: the stage's input gradient passes through "
+            "torch.utils.checkpoint with use_reentrant=True, whose backward starts a full "
+            "backward of its own and cannot be split into backward-input (I) and "
+            "backward-weight (W). Use torch.utils.checkpoint.checkpoint(..., "
+            "use_reentrant=False), or a schedule without I/W (gpipe, 1f1b, interleaved_1f1b).");
+      std::vector<uint32_t> to_c, to_w;
+      const auto& edges = node->next_edges();
+      for (uint32_t k = 0; k < edges.size(); ++k) {
+        if (!edges[k].is_valid()) continue;
+        (in_c[index.at(edges[k].function.get())] ? to_c : to_w).push_back(k);
+      }
+      if (to_w.empty()) {
+        plan.role[i] = kClosure;
+        plan.release.push_back(i);
+      } else if (generated) {
+        plan.role[i] = kRerun;
+        plan.rerun.push_back(i);
+        for (uint32_t k : to_c) plan.cuts.emplace_back(i, k);
+      } else {
+        plan.role[i] = kKeepInI;
+        plan.keep.push_back(i);
+        plan.sends.push_back(std::move(to_w));
+        plan.release.push_back(i);
+      }
+    }
+    for (uint32_t r = 0; r < roots.size(); ++r)
+      (in_c[index.at(roots[r].function.get())] ? plan.closure_roots : plan.weight_roots).push_back(r);
+    if (plans.size() == kMaxShapes) plans.pop_back();
+    plans.insert(plans.begin(), std::move(plan));
+    return plans.front();
+  }
+};
+
+SplitPlanCache::SplitPlanCache() : impl_(std::make_unique<Impl>()) {}
+SplitPlanCache::~SplitPlanCache() = default;
+SplitPlanCache::SplitPlanCache(SplitPlanCache&&) noexcept = default;
+SplitPlanCache& SplitPlanCache::operator=(SplitPlanCache&&) noexcept = default;
+
 void WeightWork::clear() {
-  edges.clear();
+  roots.clear();
   grads.clear();
-  clamps.clear();
+  rerun.clear();
+}
+
+int64_t WeightWork::captured_bytes() const {
+  std::unordered_set<const void*> seen;
+  int64_t total = 0;
+  for (const auto& g : grads)
+    if (g.defined() && seen.insert(g.storage().unsafeGetStorageImpl()).second)
+      total += static_cast<int64_t>(g.storage().nbytes());
+  return total;
 }
 
 std::vector<at::Tensor> backward_full(const std::vector<at::Tensor>& roots,
@@ -159,7 +308,8 @@ std::vector<at::Tensor> backward_full(const std::vector<at::Tensor>& roots,
 
 std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& roots,
                                        const std::vector<at::Tensor>& root_grads,
-                                       const std::vector<at::Tensor>& inputs, WeightWork& work) {
+                                       const std::vector<at::Tensor>& inputs, WeightWork& work,
+                                       SplitPlanCache* cache) {
   work.clear();
   std::vector<at::Tensor> out(inputs.size());
   edge_list edges;
@@ -167,63 +317,115 @@ std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& roots,
   root_edges(roots, root_grads, edges, grads);
   if (edges.empty()) return out;
 
+  SplitPlanCache local;
+  SplitPlanCache& pc = cache ? *cache : local;
+  SplitPlanCache::Impl& st = *pc.impl_;
   edge_list outputs;
-  std::vector<const Node*> input_nodes;
   std::vector<size_t> wanted;  // indices into inputs
+  st.input_nodes.clear();
   for (size_t i = 0; i < inputs.size(); ++i) {
-    if (!inputs[i].requires_grad()) continue;
+    if (!inputs[i].defined() || !inputs[i].requires_grad()) continue;
     outputs.push_back(torch::autograd::impl::gradient_edge(inputs[i]));
-    input_nodes.push_back(outputs.back().function.get());
+    st.input_nodes.push_back(outputs.back().function.get());
     wanted.push_back(i);
   }
-  Plan plan = make_plan(edges, input_nodes);
-  for (const auto& s : plan.slots)
-    for (uint32_t nr : s.input_nrs) outputs.emplace_back(s.node, nr);
-  if (outputs.empty()) return out;
+  st.walk(edges);
+  const Plan* found = st.find();
+  if (found) ++pc.hits_;
+  else ++pc.misses_;
+  const Plan& plan = found ? *found : st.analyse(edges);
+  const auto& order = st.order;
 
-  variable_list res = run_engine(edges, grads, /*keep_graph=*/true, /*accumulate_grad=*/false, outputs);
-  for (size_t k = 0; k < wanted.size(); ++k) out[wanted[k]] = res[k];
-  std::unordered_map<const Node*, size_t> clamp_of;
-  for (size_t k = wanted.size(); k < outputs.size(); ++k) {
-    if (!res[k].defined()) continue;  // nothing reached this slot
-    work.edges.push_back(outputs[k]);
-    work.grads.push_back(res[k]);
-    const Node* node = outputs[k].function.get();
-    if (!plan.clamped.count(node)) continue;
-    auto [it, fresh] = clamp_of.emplace(node, work.clamps.size());
-    if (fresh) work.clamps.emplace_back(outputs[k], std::vector<std::pair<uint32_t, at::Tensor>>{});
-    work.clamps[it->second].second.emplace_back(outputs[k].input_nr, res[k]);
+  // I: the input closure only, capturing at the boundary.
+  std::vector<variable_list> captured(plan.rerun.size());
+  std::unique_ptr<bool[]> fired(new bool[plan.rerun.size() + 1]());
+  std::vector<variable_list> sent(plan.keep.size());
+  if (!plan.closure_roots.empty()) {
+    std::vector<std::pair<Node*, const FunctionPreHook*>> pre;
+    std::vector<std::pair<Node*, const FunctionPostHook*>> post;
+    auto remove_hooks = [&] {
+      for (auto [n, h] : pre) erase_hook(n->pre_hooks(), h);
+      for (auto [n, h] : post) erase_hook(n->post_hooks(), h);
+    };
+    for (size_t k = 0; k < plan.rerun.size(); ++k) {
+      auto hook = std::make_unique<CaptureInputs>(&captured[k], &fired[k]);
+      pre.emplace_back(order[plan.rerun[k]], hook.get());
+      order[plan.rerun[k]]->add_pre_hook(std::move(hook));
+    }
+    for (size_t k = 0; k < plan.keep.size(); ++k) {
+      auto hook = std::make_unique<CaptureSends>(&plan.sends[k], &sent[k]);
+      post.emplace_back(order[plan.keep[k]], hook.get());
+      order[plan.keep[k]]->add_post_hook(std::move(hook));
+    }
+    edge_list i_roots;
+    variable_list i_grads;
+    for (uint32_t r : plan.closure_roots) {
+      i_roots.push_back(edges[r]);
+      i_grads.push_back(grads[r]);
+    }
+    variable_list res;
+    try {
+      res = run_engine(i_roots, i_grads, /*keep_graph=*/true, /*accumulate_grad=*/false, outputs);
+    } catch (...) {
+      remove_hooks();
+      throw;
+    }
+    remove_hooks();
+    for (size_t k = 0; k < wanted.size(); ++k) out[wanted[k]] = res[k];
   }
+
+  // W's roots: every input of each re-run boundary node, what kept-in-I nodes sent into the
+  // weight region, and the outputs computed without touching an input.
+  for (size_t k = 0; k < plan.rerun.size(); ++k) {
+    Node* n = order[plan.rerun[k]];
+    if (!fired[k]) continue;  // it did not run in I (nothing reached it): nor does it in W
+    work.rerun.emplace_back(c10::intrusive_ptr<Node>::reclaim_copy(n));
+    for (uint32_t nr = 0; nr < captured[k].size(); ++nr) {
+      work.roots.emplace_back(work.rerun.back(), nr);
+      work.grads.push_back(std::move(captured[k][nr]));
+    }
+  }
+  for (size_t k = 0; k < plan.keep.size(); ++k) {
+    const auto& es = order[plan.keep[k]]->next_edges();
+    for (size_t j = 0; j < sent[k].size(); ++j) {
+      if (!sent[k][j].defined()) continue;
+      work.roots.push_back(es[plan.sends[k][j]]);
+      work.grads.push_back(std::move(sent[k][j]));
+    }
+  }
+  for (uint32_t r : plan.weight_roots) {
+    work.roots.push_back(edges[r]);
+    work.grads.push_back(grads[r]);
+  }
+  // Free I's part of the graph now: release the saved tensors keep_graph kept there, then cut
+  // the boundary nodes' edges into it (W must not run it again; a cut may destroy nodes, so
+  // it comes last).
+  for (uint32_t i : plan.release) order[i]->release_variables();
+  for (size_t k = 0; k < plan.rerun.size(); ++k)
+    if (!fired[k]) order[plan.rerun[k]]->release_variables();
+  for (auto [i, k] : plan.cuts) order[i]->next_edges()[k] = Edge();
   return out;
 }
 
 void backward_weight(WeightWork& work) {
-  if (work.edges.empty()) {
+  if (work.roots.empty()) {
     work.clear();
     return;
   }
-  std::vector<std::pair<Node*, const torch::autograd::FunctionPreHook*>> installed;
-  auto remove_hooks = [&] {
-    for (auto [node, hook] : installed) {
-      auto& hooks = node->pre_hooks();
-      hooks.erase(std::remove_if(hooks.begin(), hooks.end(),
-                                 [hook = hook](const auto& h) { return h.get() == hook; }),
-                  hooks.end());
-    }
+  std::vector<StrippedHooks> stripped;
+  for (const auto& n : work.rerun)
+    if (StrippedHooks::any(n.get())) stripped.emplace_back(n.get());
+  auto restore = [&] {
+    for (auto& s : stripped) s.restore();
   };
-  for (auto& [edge, caps] : work.clamps) {
-    auto hook = std::make_unique<ClampHook>(std::move(caps));
-    installed.emplace_back(edge.function.get(), hook.get());
-    edge.function->add_pre_hook(std::move(hook));
-  }
   try {
-    run_engine(work.edges, work.grads, /*keep_graph=*/false, /*accumulate_grad=*/true);
+    run_engine(work.roots, work.grads, /*keep_graph=*/false, /*accumulate_grad=*/true);
   } catch (...) {
-    remove_hooks();
+    restore();
     work.clear();
     throw;
   }
-  remove_hooks();
+  restore();
   work.clear();
 }
 

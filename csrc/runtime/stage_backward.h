@@ -1,21 +1,39 @@
 // A stage's backward through the autograd engine, with no Python in the loop: the full
 // backward (B), and the split into backward-input (I) and backward-weight (W) that together
-// give exactly the gradients of B.
+// give exactly the gradients of B, with the weight-gradient work in W.
 //
-// The autograd graph of a stage microbatch splits into the *input closure* (nodes from which
-// a stage input is reachable: I must run them) and the *weight region* (everything else: only
-// parameters below). I runs the engine to the stage inputs and, in the same pass, captures
-// the total gradient arriving at every weight-region node fed from the input closure (a
-// "boundary slot": node + input number). W runs the weight region from those captured
-// gradients.
+// The graph of a stage microbatch splits into the *input closure* C (nodes below the roots
+// from which a stage input is reachable) and the *weight region* (every other node below the
+// roots: it reaches parameters only, and no weight-region node reaches C). A *boundary node*
+// is a node of C with a next edge into the weight region; an AddmmBackward of a Linear is one
+// (its input-side output leads to C, its weight-side outputs to TBackward/AccumulateGrad).
 //
-// Why not PyTorch's stage_backward_weight: it replays the *intermediate* input-closure nodes
-// from their saved incoming gradients, grouped per parameter; a parameter used twice inside
-// one stage reaches two intermediates that are themselves connected, and the replay can count
-// a contribution twice. Capturing at the weight-region boundary cannot: each slot's value is
-// the sum of everything the input closure sends it, taken once. A boundary node that is also
-// reachable from another boundary node (a weight-region diamond) is clamped to its captured
-// totals during W, so the second path does not add to it again.
+// I runs the engine from the roots with outputs = the stage inputs only: the engine executes
+// only C, and a generated node computes only the outputs whose next node is needed, so a
+// boundary node computes its input side alone (AddmmBackward does dX, not dW). A pre-hook
+// appended last on each boundary node captures the gradient it received, after its tensor
+// pre-hooks, retains_grad hooks and function pre-hooks. After I, the boundary nodes'
+// C-side next edges are cut and every other node of C releases its saved tensors (I's part of
+// the graph is freed at I, and no saved-tensor-hook reference cycle survives).
+// W is one engine run whose roots are (boundary node, input) with the captured gradients,
+// plus the stage outputs computed without touching an input: the boundary nodes re-run with
+// their hooks stripped (so every hook of theirs runs exactly once, in I, and sees what B's
+// would) and compute only the weight side (their C-side edges are cut), and the engine sums
+// weight-region diamonds by its dependency counting, all entry points being roots of the
+// one run. W accumulates into .grad with keep_graph=false, releasing the rest of the graph.
+//
+// Nodes other than torch's generated ones (a Python autograd.Function's PyNode, a C++
+// custom function, CopySlices, ...) may compute all their outputs whatever is asked and may
+// have side effects (e.g. `weight.grad += ...` inside a backward), so they are never re-run:
+// such a boundary node does its weight-side work in I, a post-hook captures what it sends
+// into the weight region (per edge), and those values are W roots, so no weight-region node
+// runs during I and W still sums everything once. A torch.compile'd region is one such node:
+// its weight gradients are computed in I, accumulated in W.
+//
+// Stage inputs are expected to be leaves (the executor's are): the split stops at an input
+// and runs nothing below one. The classification above is cached per graph shape in a
+// SplitPlanCache (one per stage): each microbatch pays one DFS that also yields the shape's
+// signature (node types and edge layout), and the analysis runs only for a shape not seen.
 //
 // Every call here runs the engine: the caller must not hold the Python GIL (the engine of a
 // Python process re-acquires it for Python-defined nodes and refuses to start while held).
@@ -24,20 +42,50 @@
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/autograd/function.h>  // Node: WeightWork holds graph edges
 
-#include <utility>
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
 #include <vector>
 
 namespace zbpipe::runtime {
 
-// What W needs for one stage microbatch, captured by backward_input.
+// What W needs for one stage microbatch, filled by backward_input.
 struct WeightWork {
-  std::vector<torch::autograd::Edge> edges;  // boundary slots (they keep the weight region alive)
-  std::vector<at::Tensor> grads;     // captured total gradient of each slot
-  // Boundary nodes reachable from another boundary node: per node, input number -> total.
-  std::vector<std::pair<torch::autograd::Edge, std::vector<std::pair<uint32_t, at::Tensor>>>> clamps;
+  torch::autograd::edge_list roots;  // W's roots (they keep the graph W runs alive)
+  std::vector<at::Tensor> grads;     // the gradient for each root
+  // Boundary nodes W re-runs: their hooks are stripped during W (they ran in I).
+  std::vector<c10::intrusive_ptr<torch::autograd::Node>> rerun;
 
-  bool empty() const { return edges.empty(); }
+  bool empty() const { return roots.empty(); }
   void clear();
+  // Bytes of the captured gradients (distinct storages), what W adds to the saved tensors
+  // the graph keeps for it.
+  int64_t captured_bytes() const;
+};
+
+// The split's analysis of a stage's graph, per graph shape. Not thread-safe: one per stage,
+// used from one thread.
+class SplitPlanCache {
+ public:
+  SplitPlanCache();
+  ~SplitPlanCache();
+  SplitPlanCache(const SplitPlanCache&) = delete;
+  SplitPlanCache& operator=(const SplitPlanCache&) = delete;
+  SplitPlanCache(SplitPlanCache&&) noexcept;
+  SplitPlanCache& operator=(SplitPlanCache&&) noexcept;
+
+  int64_t hits() const { return hits_; }
+  int64_t misses() const { return misses_; }
+
+  struct Impl;  // the walk's scratch space and the cached plans (stage_backward.cpp)
+
+ private:
+  friend std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>&,
+                                                const std::vector<at::Tensor>&,
+                                                const std::vector<at::Tensor>&, WeightWork&,
+                                                SplitPlanCache*);
+  std::unique_ptr<Impl> impl_;
+  int64_t hits_ = 0, misses_ = 0;
 };
 
 // B: backpropagates `root_grads` from `roots` through the whole graph, accumulating into every
@@ -48,13 +96,17 @@ std::vector<at::Tensor> backward_full(const std::vector<at::Tensor>& roots,
                                       const std::vector<at::Tensor>& inputs);
 
 // I: the gradient of each of `inputs` (undefined where an input needs no gradient or none
-// flowed), without touching any .grad; fills `work` for W. The graph is kept for W.
+// flowed), without touching any parameter's .grad (unless a custom Function does so in its
+// own backward); fills `work` for W. `cache` (may be null: analyse every call) keeps the
+// graph analysis of the shapes seen. Throws for a graph the split cannot run (a reentrant
+// checkpoint on the input path), naming the fix.
 std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& roots,
                                        const std::vector<at::Tensor>& root_grads,
-                                       const std::vector<at::Tensor>& inputs, WeightWork& work);
+                                       const std::vector<at::Tensor>& inputs, WeightWork& work,
+                                       SplitPlanCache* cache = nullptr);
 
 // W: accumulates the parameter gradients (into .grad) from what backward_input captured, then
-// clears `work` (freeing the weight region's saved tensors).
+// clears `work` (the rest of the microbatch's graph is released).
 void backward_weight(WeightWork& work);
 
 }  // namespace zbpipe::runtime
