@@ -18,6 +18,8 @@ constexpr KindName kKindNames[] = {
     {Kind::SEND_B, "SEND_B"},           {Kind::RECV_B, "RECV_B"}, {Kind::F, "F"},
     {Kind::B, "B"},                     {Kind::I, "I"},           {Kind::W, "W"},
 };
+static_assert(sizeof(kKindNames) / sizeof(kKindNames[0]) == kNumKinds,
+              "every Kind needs a name here, and Kind::kLast must name the last kind");
 
 bool parse_int(std::string_view s, int32_t& out) {
   if (s.empty() || s.size() > 9) return false;
@@ -47,9 +49,33 @@ const char* kind_name(Kind kind) {
 }
 
 bool is_compute(Kind k) {
-  return k == Kind::F || k == Kind::B || k == Kind::I || k == Kind::W || k == Kind::OVERLAP_F_B;
+  switch (k) {
+    case Kind::F:
+    case Kind::B:
+    case Kind::I:
+    case Kind::W:
+    case Kind::OVERLAP_F_B: return true;
+    case Kind::SEND_F:
+    case Kind::RECV_F:
+    case Kind::SEND_B:
+    case Kind::RECV_B: return false;
+  }
+  return false;
 }
-bool is_comm(Kind k) { return !is_compute(k); }
+bool is_comm(Kind k) {
+  switch (k) {
+    case Kind::SEND_F:
+    case Kind::RECV_F:
+    case Kind::SEND_B:
+    case Kind::RECV_B: return true;
+    case Kind::F:
+    case Kind::B:
+    case Kind::I:
+    case Kind::W:
+    case Kind::OVERLAP_F_B: return false;
+  }
+  return false;
+}
 bool is_backward(Kind k) { return k == Kind::B || k == Kind::I; }
 
 Action Action::overlap(std::vector<Action> parts) {

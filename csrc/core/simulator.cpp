@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "passes/action_table.h"
+#include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe {
@@ -19,36 +20,31 @@ double cost_of(const CostModel& c, const Action& a) {
     case Kind::B: return c.backward_full(a.stage);
     case Kind::I: return c.backward_input(a.stage);
     case Kind::W: return c.backward_weight(a.stage);
-    default: return 0.0;
+    case Kind::SEND_F:
+    case Kind::RECV_F:
+    case Kind::SEND_B:
+    case Kind::RECV_B:       // takes no rank time (communication is modelled as arrival delay)
+    case Kind::OVERLAP_F_B:  // costs its parts
+      return 0.0;
   }
+  return 0.0;
 }
 }  // namespace
 
 SimResult simulate(const Program& p, const CostModel& costs) {
   costs.check(p.num_stages);
-  const int last = p.num_stages - 1;
   ActionTable<double> end(p.num_stages, p.microbatches, kUnset);
-  // Time at which the input of `a` is available on a's rank, or kUnset if not produced yet.
-  auto arrival = [&](int producer_stage, double t, int consumer_stage) {
-    if (t == kUnset) return kUnset;
-    return p.rank_of(producer_stage) == p.rank_of(consumer_stage) ? t : t + costs.comm;
-  };
+  // Time at which everything `a` needs is on a's rank (producers_of), or kUnset if some of it
+  // is not produced yet; data from another rank arrives `comm` after its producer ends.
   auto input_time = [&](const Action& a) -> double {
-    const int s = a.stage, mb = a.microbatch;
-    switch (a.kind) {
-      case Kind::F: return s == 0 ? 0.0 : arrival(s - 1, end.at(s - 1, Kind::F, mb), s);
-      case Kind::B:
-      case Kind::I: {
-        double own = end.at(s, Kind::F, mb);
-        if (own == kUnset || s == last) return own;
-        double up = end.at(s + 1, Kind::B, mb);
-        if (up == kUnset) up = end.at(s + 1, Kind::I, mb);
-        double t = arrival(s + 1, up, s);
-        return t == kUnset ? kUnset : std::max(own, t);
-      }
-      case Kind::W: return end.at(s, Kind::I, mb);
-      default: return 0.0;
+    double t = 0.0;
+    for (const Producer& d : producers_of(a, p.num_stages)) {
+      double e = end.of(d, a.microbatch);
+      if (e == kUnset) return kUnset;
+      if (d.data && p.rank_of(d.stage) != p.rank_of(a.stage)) e += costs.comm;
+      t = std::max(t, e);
     }
+    return t;
   };
 
   SimResult res;

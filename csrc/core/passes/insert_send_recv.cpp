@@ -7,6 +7,7 @@
 // order: a blocking-receive execution cannot deadlock and the per-pair order is FIFO. RECVs land
 // as early as possible, which lets the runtime post them ahead of the compute that needs them.
 #include "action_table.h"
+#include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 #include "zbpipe/passes.h"
 
@@ -24,13 +25,12 @@ Program insert_send_recv(const Program& in) {
   out.ranks.resize(in.pp);
   for (int r = 0; r < in.pp; ++r) out.ranks[r].reserve(in.ranks[r].size() * 2);
   ActionTable<uint8_t> done(in.num_stages, in.microbatches, 0);
-  const int last = in.num_stages - 1;
 
-  auto input_ready = [&](const Action& a) {
-    if (a.kind == Kind::F) return a.stage == 0 || done.at(a.stage - 1, Kind::F, a.microbatch);
-    if (is_backward(a.kind))
-      return a.stage == last || done.at(a.stage + 1, Kind::I, a.microbatch) ||
-             done.at(a.stage + 1, Kind::B, a.microbatch);
+  // The data a compute consumes must exist (its producers_of); what the stage keeps itself (its
+  // own F before its backward) is the builder's local order, checked by validate.
+  auto input_ready = [&](const Action& part) {
+    for (const Producer& d : producers_of(part, in.num_stages))
+      if (d.data && !done.met(d, part.microbatch)) return false;
     return true;
   };
 
@@ -55,14 +55,11 @@ Program insert_send_recv(const Program& in) {
       out.ranks[r].push_back(a);
       for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
         done.at(s->stage, s->kind, s->microbatch) = 1;
-        if (!detail::output_crosses(in, *s)) continue;
-        if (s->kind == Kind::F) {
-          out.ranks[r].emplace_back(s->stage, Kind::SEND_F, s->microbatch);
-          out.ranks[in.rank_of(s->stage + 1)].emplace_back(s->stage + 1, Kind::RECV_F, s->microbatch);
-        } else {
-          out.ranks[r].emplace_back(s->stage, Kind::SEND_B, s->microbatch);
-          out.ranks[in.rank_of(s->stage - 1)].emplace_back(s->stage - 1, Kind::RECV_B, s->microbatch);
-        }
+        const int to = data_consumer(*s, in.num_stages);
+        if (to < 0 || in.rank_of(to) == r) continue;
+        const bool fwd = s->kind == Kind::F;
+        out.ranks[r].emplace_back(s->stage, fwd ? Kind::SEND_F : Kind::SEND_B, s->microbatch);
+        out.ranks[in.rank_of(to)].emplace_back(to, fwd ? Kind::RECV_F : Kind::RECV_B, s->microbatch);
       }
       ++next[r];
       --remaining;

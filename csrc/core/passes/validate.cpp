@@ -1,8 +1,9 @@
 // Validation pass: structure, exactly-once compute, local ordering, SEND/RECV matching and a
 // blocking-receive execution. Every failure names the rule and shows the marked grid.
-#include <tuple>
+#include <string>
 
 #include "action_table.h"
+#include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 #include "zbpipe/passes.h"
 
@@ -33,45 +34,34 @@ void check_shape(const Program& p) {
                       " outside [0, ", p.pp, ")");
 }
 
-// The rank on the other end of a communication action.
-int peer_of(const Program& p, const Action& a) {
-  switch (a.kind) {
-    case Kind::SEND_F: return p.rank_of(a.stage + 1);
-    case Kind::RECV_F: return p.rank_of(a.stage - 1);
-    case Kind::SEND_B: return p.rank_of(a.stage - 1);
-    case Kind::RECV_B: return p.rank_of(a.stage + 1);
-    default: return -1;
-  }
-}
-
 // Whether the comm action has a neighbour stage that exists and lives on another rank.
 bool comm_is_legal(const Program& p, const Action& a) {
-  int other = (a.kind == Kind::SEND_F || a.kind == Kind::RECV_B) ? a.stage + 1 : a.stage - 1;
+  const int other = comm_peer_stage(a);
   return other >= 0 && other < p.num_stages && p.rank_of(other) != p.rank_of(a.stage);
 }
 
 // The message a comm action carries, named by its sender: (sender stage, is_grad, mb).
 struct Message {
   int stage, grad, mb;
-  bool operator<(const Message& o) const {
-    return std::tie(stage, grad, mb) < std::tie(o.stage, o.grad, o.mb);
-  }
   bool operator==(const Message& o) const { return stage == o.stage && grad == o.grad && mb == o.mb; }
 };
 Message message_of(const Action& a) {
-  switch (a.kind) {
-    case Kind::SEND_F: return {a.stage, 0, a.microbatch};
-    case Kind::RECV_F: return {a.stage - 1, 0, a.microbatch};
-    case Kind::SEND_B: return {a.stage, 1, a.microbatch};
-    default: return {a.stage + 1, 1, a.microbatch};  // RECV_B
-  }
+  const Producer d = comm_payload(a);
+  return {d.stage, d.either_backward() ? 1 : 0, a.microbatch};
+}
+
+// How messages name a compute and what it needs.
+const char* role_name(Kind k) { return k == Kind::F ? "F" : k == Kind::W ? "W" : "backward"; }
+std::string producer_name(const Producer& d) {
+  if (!d.data) return detail::str("its ", kind_name(d.kind));
+  return d.either_backward() ? detail::str("the backward of stage ", d.stage)
+                             : detail::str(kind_name(d.kind), " of stage ", d.stage);
 }
 
 }  // namespace
 
 void validate(const Program& p) {
   check_shape(p);
-  const int last = p.num_stages - 1;
   // Position (1-based, 0 = absent) of each compute / comm action on its rank.
   ActionTable<int32_t> pos(p.num_stages, p.microbatches, 0);
   const bool comms = p.has_comms();
@@ -117,39 +107,36 @@ void validate(const Program& p) {
     }
   }
 
-  // 2. Local order on each rank, and with comms: RECV before its consumer, SEND after its producer.
-  auto bw = [&](int s, int mb) {
-    int32_t b = pos.at(s, Kind::B, mb);
-    return b ? b : pos.at(s, Kind::I, mb);
-  };
+  // 2. Local order on each rank, from producers_of: a producer on the same rank runs before its
+  // consumer; one on another rank is received before it; a result another rank consumes is
+  // sent after it.
   for (int s = 0; s < p.num_stages; ++s) {
     const int r = p.rank_of(s);
     for (int mb = 0; mb < p.microbatches; ++mb) {
-      const int f = pos.at(s, Kind::F, mb), b = bw(s, mb), w = pos.at(s, Kind::W, mb);
-      if (s > 0 && p.rank_of(s - 1) == r && pos.at(s - 1, Kind::F, mb) >= f)
-        fail(p, r, f - 1, detail::str("F of stage ", s, " mb ", mb, " before F of stage ", s - 1));
-      if (comms && s > 0 && p.rank_of(s - 1) != r) {
-        int rv = pos.at(s, Kind::RECV_F, mb);
-        if (!rv || rv > f) fail(p, r, f - 1, detail::str("F of stage ", s, " mb ", mb, " has no RECV_F before it"));
-      }
-      if (comms && s < last && p.rank_of(s + 1) != r) {
-        int sd = pos.at(s, Kind::SEND_F, mb);
-        if (!sd || sd < f) fail(p, r, f - 1, detail::str("F of stage ", s, " mb ", mb, " has no SEND_F after it"));
-      }
-      if (forward_only) continue;
-      if (b <= f) fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb, " before its F"));
-      if (w && w <= b) fail(p, r, w - 1, detail::str("W of stage ", s, " mb ", mb, " before its I"));
-      if (s < last && p.rank_of(s + 1) == r && bw(s + 1, mb) >= b)
-        fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb,
-                                      " before the backward of stage ", s + 1));
-      if (!comms) continue;
-      if (s < last && p.rank_of(s + 1) != r) {
-        int rv = pos.at(s, Kind::RECV_B, mb);
-        if (!rv || rv > b) fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb, " has no RECV_B before it"));
-      }
-      if (s > 0 && p.rank_of(s - 1) != r) {
-        int sd = pos.at(s, Kind::SEND_B, mb);
-        if (!sd || sd < b) fail(p, r, b - 1, detail::str("backward of stage ", s, " mb ", mb, " has no SEND_B after it"));
+      for (Kind k : {Kind::F, Kind::B, Kind::I, Kind::W}) {
+        const int c = pos.at(s, k, mb);
+        if (!c || (forward_only && k != Kind::F)) continue;
+        const Action part(s, k, mb);
+        const bool fwd = k == Kind::F;
+        for (const Producer& d : producers_of(part, p.num_stages)) {
+          if (p.rank_of(d.stage) == r) {
+            if (pos.of(d, mb) >= c)
+              fail(p, r, c - 1, detail::str(role_name(k), " of stage ", s, " mb ", mb, " before ",
+                                            producer_name(d)));
+          } else if (comms) {
+            const int rv = pos.at(s, fwd ? Kind::RECV_F : Kind::RECV_B, mb);
+            if (!rv || rv > c)
+              fail(p, r, c - 1, detail::str(role_name(k), " of stage ", s, " mb ", mb, " has no ",
+                                            fwd ? "RECV_F" : "RECV_B", " before it"));
+          }
+        }
+        const int to = data_consumer(part, p.num_stages);
+        if (comms && to >= 0 && p.rank_of(to) != r) {
+          const int sd = pos.at(s, fwd ? Kind::SEND_F : Kind::SEND_B, mb);
+          if (!sd || sd < c)
+            fail(p, r, c - 1, detail::str(role_name(k), " of stage ", s, " mb ", mb, " has no ",
+                                          fwd ? "SEND_F" : "SEND_B", " after it"));
+        }
       }
     }
   }
@@ -161,14 +148,14 @@ void validate(const Program& p) {
     for (int r = 0; r < p.pp; ++r)
       for (const Action& a : p.ranks[r])
         if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B)
-          sends[static_cast<size_t>(r) * p.pp + peer_of(p, a)].push_back(message_of(a));
+          sends[static_cast<size_t>(r) * p.pp + p.rank_of(comm_peer_stage(a))].push_back(message_of(a));
     std::vector<size_t> matched(sends.size(), 0);
     for (int r = 0; r < p.pp; ++r) {
       const auto& acts = p.ranks[r];
       for (int i = 0; i < static_cast<int>(acts.size()); ++i) {
         const Action& a = acts[i];
         if (a.kind != Kind::RECV_F && a.kind != Kind::RECV_B) continue;
-        const int src = peer_of(p, a);
+        const int src = p.rank_of(comm_peer_stage(a));
         const size_t pair = static_cast<size_t>(src) * p.pp + r;
         size_t& k = matched[pair];
         if (k >= sends[pair].size() || !(sends[pair][k] == message_of(a)))
@@ -182,20 +169,13 @@ void validate(const Program& p) {
   // 4. Blocking-receive execution: a RECV waits for its SEND, a compute for its inputs.
   ActionTable<uint8_t> done(p.num_stages, p.microbatches, 0);
   auto ready = [&](const Action& a) {
-    for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
-      switch (s->kind) {
-        case Kind::RECV_F: if (!done.at(s->stage - 1, Kind::SEND_F, s->microbatch)) return false; break;
-        case Kind::RECV_B: if (!done.at(s->stage + 1, Kind::SEND_B, s->microbatch)) return false; break;
-        case Kind::F: if (s->stage > 0 && !done.at(s->stage - 1, Kind::F, s->microbatch)) return false; break;
-        case Kind::B:
-        case Kind::I:
-          if (s->stage < last && !done.at(s->stage + 1, Kind::B, s->microbatch) &&
-              !done.at(s->stage + 1, Kind::I, s->microbatch))
-            return false;
-          break;
-        default: break;
-      }
+    if (a.kind == Kind::RECV_F || a.kind == Kind::RECV_B) {
+      const Action send = matching_send(a);
+      return done.at(send.stage, send.kind, send.microbatch) != 0;
     }
+    for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
+      for (const Producer& d : producers_of(*s, p.num_stages))
+        if (!done.met(d, s->microbatch)) return false;
     return true;
   };
   std::vector<size_t> next(p.pp, 0);

@@ -18,9 +18,14 @@ enum class Kind : uint8_t {
   SEND_B,       // send this stage's input gradient to stage-1
   RECV_B,       // receive this stage's output gradient from stage+1
   OVERLAP_F_B,  // sub-actions (an F and a backward) run as one overlapped unit (DualPipeV)
+  kLast = OVERLAP_F_B,  // the closed list ends here: a new kind goes before, and kLast follows
 };
+// Tables indexed by kind are sized from the enum (action.cpp checks the name table against it).
+inline constexpr int kNumKinds = static_cast<int>(Kind::kLast) + 1;
 
 const char* kind_name(Kind kind);
+// Each kind is exactly one of these; both are written out kind by kind (no default), so a new
+// kind does not compile (-Werror=switch) until it is classified.
 bool is_compute(Kind kind);  // F, B, I, W, OVERLAP_F_B
 bool is_comm(Kind kind);     // SEND_*, RECV_*
 bool is_backward(Kind kind); // B or I: the action that consumes the output gradient
