@@ -220,6 +220,8 @@ def test_deferred_linear_queues_weight_gradients():
     for entry in queue:
         entry.run()
     _assert_same(_grads(model), _grads(ref))
+    # W builds no graph: a dW with history would keep the queued activations alive in .grad.
+    assert all(p.grad.grad_fn is None and not p.grad.requires_grad for p in model.parameters())
 
 
 @pytest.mark.parametrize("cls", MODULES, ids=lambda c: c.__name__)
@@ -496,4 +498,51 @@ def test_compiled_stage_is_exact():
     assert all(p.grad is None for p in model.parameters()) and len(work) == 4
     _C.backward_weight(work)
     torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
+    _assert_same(_grads(model), _grads(ref))
+
+
+def test_checkpoint_recomputes_once_per_backward_call():
+    """Non-reentrant checkpoint recomputes once per autograd call (its cache is per graph
+    task), so a split stage recomputes the checkpointed forward in I and again in W (the
+    README says so)."""
+    calls = []
+    a, b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def fn(t):
+        calls.append(1)
+        return b(torch.tanh(a(t)))
+
+    x = torch.randn(4, 6, requires_grad=True)
+    out = checkpoint(fn, x, use_reentrant=False) + x
+    (_dx,), work = _C.backward_input([out], [torch.ones(4, 6)], [x])
+    assert len(calls) == 2  # the forward, then I's recomputation
+    _C.backward_weight(work)
+    assert len(calls) == 3  # W's
+
+
+# Where PyTorch 2.13's own split (torch.distributed.pipelining._backward, as its PipelineStage
+# calls it on a stage whose input needs a gradient) is exact and where its W raises; the README's
+# comparison rests on this. Ours is exact on all of them (test_split_equals_full).
+TORCH_EXACT = [Reuse, Branches, Diamond, FixedKV]
+TORCH_RAISES = [Tied, Mixed]
+
+
+@pytest.mark.parametrize("cls", TORCH_EXACT + TORCH_RAISES, ids=lambda c: c.__name__)
+def test_pytorch_split_is_exact_on_a_reused_weight_and_raises_on_tied_and_mixed(cls):
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    model = cls()
+    ref = copy.deepcopy(model)
+    x, g = torch.randn(4, 6), torch.randn(4, 6)
+    xr = x.clone().requires_grad_(True)
+    ref(xr).backward(g)
+    xs = x.clone().requires_grad_(True)
+    (dx,), groups = stage_backward_input([model(xs)], [g], [xs], model.parameters())
+    torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
+    if cls in TORCH_RAISES:  # its W: one parameter group's autograd.grad frees nodes another group needs
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            stage_backward_weight(model.parameters(), groups)
+        return
+    stage_backward_weight(model.parameters(), groups)
     _assert_same(_grads(model), _grads(ref))
