@@ -98,9 +98,9 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(ROWS * n, WIDTH, generator=g), torch.randn(ROWS * n, WIDTH, generator=g)
     xs, ys = list(x.split(ROWS)), list(y.split(ROWS))
-    print(f"{'schedule':<17} {'actions':>7} {'loop ms':>8} {'engine ms':>9} {'step ms':>8} "
-          f"{'us/act vs loop':>14} {'vs engine':>9}"
-          + (f" {'torch ms':>8} {'torch us/act':>12}" if a["torch"] else ""), flush=True)
+    cols = ["schedule", "actions", "loop ms", "engine ms", "step ms", "us/act vs loop", "us/act vs engine"]
+    cols += ["torch ms", "torch us/act vs loop"] if a["torch"] else []
+    print("| " + " | ".join(cols) + " |\n|" + "---|" * len(cols), flush=True)
     for name in a["schedules"]:
         prog = zbpipe.compile(name, 1, n)
         acts = sum(len(s.split(";")) for s in prog.compute_actions(0))
@@ -139,12 +139,12 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
                 if rep >= a["warmup"]:
                     times[k].append(dt)
         med = {k: statistics.median(v) for k, v in times.items()}
-        row = (f"{name:<17} {acts:>7} {med['loop'] * 1e3:8.2f} {med['engine'] * 1e3:9.2f} "
-               f"{med['zb'] * 1e3:8.2f} {(med['zb'] - med['loop']) / acts * 1e6:14.1f} "
-               f"{(med['zb'] - med['engine']) / acts * 1e6:9.1f}")
+        cells = [name, str(acts), f"{med['loop'] * 1e3:.2f}", f"{med['engine'] * 1e3:.2f}", f"{med['zb'] * 1e3:.2f}",
+                 f"{(med['zb'] - med['loop']) / acts * 1e6:.1f}", f"{(med['zb'] - med['engine']) / acts * 1e6:.1f}"]
         if a["torch"]:
-            row += (f" {med['torch'] * 1e3:8.2f} {(med['torch'] - med['loop']) / acts * 1e6:12.1f}"
-                    if "torch" in med else f" {'n/a':>8} {'n/a':>12}")
+            cells += ([f"{med['torch'] * 1e3:.2f}", f"{(med['torch'] - med['loop']) / acts * 1e6:.1f}"]
+                      if "torch" in med else ["n/a", "n/a"])
+        row = "| " + " | ".join(cells) + " |"
         print(row, flush=True)
 
 
