@@ -73,13 +73,20 @@ def case_loss_kwargs(rank, pp):
 def case_return_outputs_false(rank, pp):
     x, y = data("mlp", 8)
     mods, ref, _ = _ref("mlp", pp, x, y)
-    sched = zbpipe.ScheduleZBH1(zbpipe.PipelineStage(mods[rank], rank, pp, "cpu"), 4, loss_fn=F.mse_loss, timeout=20)
+    stage = zbpipe.PipelineStage(mods[rank], rank, pp, "cpu")
+    kept = []
+
+    def loss_fn(out, target):  # the stage keeps no output while the step runs
+        kept.append(len(stage.outputs))
+        return F.mse_loss(out, target)
+
+    sched = zbpipe.ScheduleZBH1(stage, 4, loss_fn=loss_fn, timeout=20)
     losses = []
     out = _run(sched, rank, pp, x, y, pp, [rank], losses=losses, return_outputs=False)
     if out is not None:
         return f"step(return_outputs=False) returned {type(out).__name__}"
-    if rank == pp - 1 and len(losses) != 4:
-        return f"{len(losses)} losses"
+    if rank == pp - 1 and (len(losses) != 4 or kept != [0, 0, 0, 0]):
+        return f"{len(losses)} losses; outputs held at each loss: {kept}"
     return _grads_match(mods, ref, [rank])
 
 

@@ -68,3 +68,14 @@ __all__ = [
 ]
 __version__ = "0.1.0"
 
+# The tracer front end (zbpipe/pipe.py) loads torch.distributed.pipelining and torch.export:
+# imported on first use, so `import zbpipe` stays fast.
+_PIPE_NAMES = ("Pipe", "PipeInfo", "SplitPoint", "build_stage", "pipe_split", "pipeline")
+
+
+def __getattr__(name):
+    if name in _PIPE_NAMES:
+        from . import pipe
+
+        return getattr(pipe, name)
+    raise AttributeError(f"module 'zbpipe' has no attribute '{name}'")

@@ -219,9 +219,9 @@ std::vector<TensorSpec> specs_from_py(const py::handle& obj) {
 }
 
 // Runs f() (with the GIL held) and turns a Python exception into a StageError carrying its
-// formatted traceback.
+// formatted traceback; `where` names the Python code that raised.
 template <typename F>
-auto guarded(F&& f) -> decltype(f()) {
+auto guarded(F&& f, const char* where = "the stage") -> decltype(f()) {
   try {
     return f();
   } catch (py::error_already_set& e) {
@@ -232,9 +232,9 @@ auto guarded(F&& f) -> decltype(f()) {
     } catch (...) {
       text = e.what();
     }
-    throw runtime::StageError("exception in the stage:\n" + text);
+    throw runtime::StageError(std::string("exception in ") + where + ":\n" + text);
   } catch (py::cast_error& e) {
-    throw runtime::StageError(std::string("stage returned a value of the wrong type: ") + e.what());
+    throw runtime::StageError(std::string(where) + " returned a value of the wrong type: " + e.what());
   }
 }
 
@@ -300,7 +300,7 @@ class PyCustomActions final : public runtime::CustomActions {
     guarded([&] {
       fn_(action);
       return 0;
-    });
+    }, "the custom function");
   }
 
  private:
