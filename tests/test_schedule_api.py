@@ -11,6 +11,8 @@ Every multi-process case runs in ONE spawned Gloo world of 2 ranks; each case is
 from __future__ import annotations
 
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -307,6 +309,17 @@ def case_custom_function_errors(rank, pp, own_group):
     attempt(lambda a, ctx: ctx.run(zbpipe.Action.parse("0F1") if a.microbatch == 0 else a),
             "'0F1' is not a part of the action '0F0'")
     mod = build("mlp", 1)[0]
+    sched = zbpipe.ScheduleGPipe(zbpipe.PipelineStage(mod, 0, 1, "cpu", group=own_group), 2,
+                                 loss_fn=F.mse_loss, timeout=10)
+    # The executor keeps the callback: it must not keep the schedule alive.
+    sched.register_custom_function(zbpipe.Kind.F, lambda a, ctx: ctx.run(a))
+    x, y = data("mlp", 4)
+    sched.step(x, target=y)
+    alive = weakref.ref(sched)
+    del sched
+    gc.collect()
+    if alive() is not None:
+        problems.append("a schedule with a custom function is never freed")
     sched = zbpipe.ScheduleGPipe(zbpipe.PipelineStage(mod, 0, 1, "cpu", group=own_group), 2,
                                  loss_fn=F.mse_loss, timeout=10)
     for bad in ("SEND_F", "UNSHARD"):

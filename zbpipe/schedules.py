@@ -8,6 +8,7 @@ thin mapping to a zbpipe.compile() name; the C++ executor runs the compiled prog
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -232,9 +233,10 @@ class PipelineSchedule:
             ex.set_custom_actions(None, [])
             return
 
+        owner = weakref.ref(self)  # the executor keeps dispatch: no cycle through C++
+
         def dispatch(action):
-            kind = action.kind
-            fns[kind](action, self._ctx)
+            fns[action.kind](action, owner()._ctx)
 
         ex.set_custom_actions(dispatch, list(fns))
 
