@@ -140,19 +140,21 @@ void register_core(py::module_& m) {
   });
   m.def("compile", [](const std::string& name, int pp, int microbatches, int stages_per_rank,
                       std::vector<double> f, std::vector<double> b, std::vector<double> w,
-                      std::vector<double> b_full, double comm, int memory_cap) {
+                      std::vector<double> b_full, double comm, int memory_cap,
+                      bool exhaustive_search) {
           BuildArgs args;
           args.pp = pp;
           args.microbatches = microbatches;
           args.stages_per_rank = stages_per_rank;
           args.costs = make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm);
           args.memory_cap = memory_cap;
+          args.exhaustive_search = exhaustive_search;
           py::gil_scoped_release nogil;
           return compile(name, args);
         }, py::arg("name"), py::arg("pp"), py::arg("microbatches"), py::arg("stages_per_rank") = 0,
         py::arg("f") = std::vector<double>{1.0}, py::arg("b") = std::vector<double>{1.0},
         py::arg("w") = std::vector<double>{1.0}, py::arg("b_full") = std::vector<double>{},
-        py::arg("comm") = 0.0, py::arg("memory_cap") = 0);
+        py::arg("comm") = 0.0, py::arg("memory_cap") = 0, py::arg("exhaustive_search") = false);
   m.def("build", [](const std::string& name, int pp, int microbatches, int stages_per_rank) {
           BuildArgs args;
           args.pp = pp;

@@ -81,8 +81,9 @@ Program build_zb_auto(const BuildArgs& a) {
   }
   std::sort(warmups.begin(), warmups.end());
   warmups.erase(std::unique(warmups.begin(), warmups.end()), warmups.end());
-  Program best = detail::search_list_schedules(p, a.costs, std::vector<int>(a.pp, cap), warmups,
-                                               seed_programs(a, cap));
+  Program best = detail::search_list_schedules(p, a.costs, std::vector<int>(a.pp, cap),
+                                               detail::PolicyGrid::standard(warmups, false),
+                                               seed_programs(a, cap), a.exhaustive_search);
   best.schedule = "zb_auto";
   return best;
 }

@@ -15,8 +15,12 @@ struct BuildArgs {
   int pp = 0;
   int microbatches = 0;
   int stages_per_rank = 0;  // 0 = the schedule's default; rejected where the schedule fixes it
-  CostModel costs{};        // used by cost-driven builders (zb_auto); others ignore it
+  CostModel costs{};        // steers the cost-driven builders (zb_auto, v_half, v_min)
   int memory_cap = 0;       // activations per rank in microbatches; 0 = the schedule's default
+  // Cost-driven builders: run every point of the search grid to the end and score it with the
+  // simulator (no merging of points that build the same program, no bound, no scores from the
+  // scheduler's timing): the reference the fast search must agree with.
+  bool exhaustive_search = false;
 };
 
 using Builder = std::function<Program(const BuildArgs&)>;
