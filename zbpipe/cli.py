@@ -164,16 +164,20 @@ def _stage_costs(values: list[float] | None, num_stages: int, pp: int, raw: bool
 
 
 def _compile(name: str, args) -> _C.Program:
-    """Compiles `name` for the CLI request; a cost-driven schedule gets the costs it will be
-    simulated under. --memory-cap goes to the named schedule (which may reject it), and in
-    --compare only to the schedules that take one."""
+    """Compiles `name` for the CLI request; a cost-driven schedule (one that takes costs, see
+    zbpipe.schedule_options) is built under the costs it will be simulated with. --memory-cap
+    goes to the named schedule (which refuses it unless it takes one), and in --compare only to
+    the schedules that take any cap."""
     kw = {}
     if args.memory_cap and (name in CAPPED or not args.compare_mode):
         kw["memory_cap"] = args.memory_cap
-    if name in CAPPED:
-        # Cost-driven schedules are one stage per rank (the builder rejects any other count), so
-        # their per-stage costs are known before the (expensive) search runs once.
-        kw.update(_sim_costs(args.pp * (args.stages_per_rank or 1), args))
+    if "f" in _C.schedule_options(name):
+        # The CLI's costs are per 1F1B stage, split over the schedule's stages: a unit-cost
+        # build gives the stage count. b_full is the simulator's alone (no builder runs a B).
+        stages = compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank,
+                                  **kw).num_stages
+        costs = _sim_costs(stages, args)
+        kw.update({n: costs[n] for n in ("f", "b", "w", "comm")})
     return compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank, **kw)
 
 

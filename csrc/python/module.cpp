@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "zbpipe/builders.h"
@@ -143,20 +144,39 @@ void register_core(py::module_& m) {
     return out;
   });
   m.def("compile", [](const std::string& name, int pp, int microbatches, int stages_per_rank,
-                      std::vector<double> f, std::vector<double> b, std::vector<double> w,
-                      std::vector<double> b_full, double comm, int memory_cap) {
+                      std::optional<std::vector<double>> f, std::optional<std::vector<double>> b,
+                      std::optional<std::vector<double>> w,
+                      std::optional<std::vector<double>> b_full, std::optional<double> comm,
+                      std::optional<int> memory_cap, bool exhaustive_search) {
+          // An option left at None is not given: the schedule's default applies and no schedule
+          // refuses it (see check_options).
           BuildArgs args;
           args.pp = pp;
           args.microbatches = microbatches;
           args.stages_per_rank = stages_per_rank;
-          args.costs = make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm);
-          args.memory_cap = memory_cap;
+          auto take = [&](const char* option, auto& from, auto& to) {
+            if (!from) return;
+            to = std::move(*from);
+            args.given.emplace_back(option);
+          };
+          take("f", f, args.costs.f);
+          take("b", b, args.costs.b);
+          take("w", w, args.costs.w);
+          take("b_full", b_full, args.costs.b_full);
+          take("comm", comm, args.costs.comm);
+          take("memory_cap", memory_cap, args.memory_cap);
+          if (exhaustive_search) {
+            args.exhaustive_search = true;
+            args.given.emplace_back("exhaustive_search");
+          }
           py::gil_scoped_release nogil;
           return compile(name, args);
         }, py::arg("name"), py::arg("pp"), py::arg("microbatches"), py::arg("stages_per_rank") = 0,
-        py::arg("f") = std::vector<double>{1.0}, py::arg("b") = std::vector<double>{1.0},
-        py::arg("w") = std::vector<double>{1.0}, py::arg("b_full") = std::vector<double>{},
-        py::arg("comm") = 0.0, py::arg("memory_cap") = 0);
+        py::arg("f") = py::none(), py::arg("b") = py::none(), py::arg("w") = py::none(),
+        py::arg("b_full") = py::none(), py::arg("comm") = py::none(),
+        py::arg("memory_cap") = py::none(), py::arg("exhaustive_search") = false);
+  m.def("schedule_options", [](const std::string& name) { return find_schedule(name).options; },
+        py::arg("name"), "The compile options (costs, memory_cap) the schedule's builder uses.");
   m.def("build", [](const std::string& name, int pp, int microbatches, int stages_per_rank) {
           BuildArgs args;
           args.pp = pp;
