@@ -4,8 +4,13 @@ Both sides do the same work: build every rank's compute program, lower it with S
 (PyTorch: get_schedule_ops(..., with_comms=True), which builds, validates and runs
 _add_send_recv), and validate. Median of several runs per cell, measured in one process.
 
-    python benchmarks/bench_compile.py              # full table (PyTorch's 32x128 cells take seconds)
-    python benchmarks/bench_compile.py --quick      # skip the (32, 128) size
+A second table times the search-based schedules (zb_auto, v_half, v_min) against their own
+exhaustive grid, the search as it ran before: every grid point scheduled to the end and scored
+with the simulator (compile(..., exhaustive_search=True); it picks the same program, which
+tests/test_list_search.py checks), at unit costs and at the Zero Bubble paper's 1.5B costs.
+
+    PYTHONPATH=. python benchmarks/bench_compile.py          # full tables (32x128 cells take seconds)
+    PYTHONPATH=. python benchmarks/bench_compile.py --quick  # skip the (32, 128) size
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import statistics
 import time
 
 import zbpipe
+from zbpipe import _C
 
 # zbpipe name -> PyTorch class name, where PyTorch has the same schedule.
 PEERS = {
@@ -29,6 +35,10 @@ PEERS = {
     "dualpipev": "DualPipeV",
 }
 SIZES = [(4, 8), (8, 32), (16, 64), (32, 128)]
+SEARCHED = ("zb_auto", "v_half", "v_min")
+SEARCH_SIZES = [(8, 24), (16, 64), (32, 128)]
+# The Zero Bubble paper's 1.5B model (Table 6), per 1F1B stage; a V stage costs half.
+PAPER_COSTS = dict(f=18.522, b=18.086, w=9.337, comm=0.601)
 
 
 def median_seconds(fn, reps: int) -> float:
@@ -89,7 +99,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="skip the (32, 128) size")
     parser.add_argument("--reps", type=int, default=20, help="zbpipe runs per cell")
-    parser.add_argument("--peer-reps", type=int, default=3, help="PyTorch runs per cell")
+    parser.add_argument("--peer-reps", type=int, default=3,
+                        help="PyTorch (and exhaustive-search) runs per cell")
     args = parser.parse_args()
     sizes = SIZES[:-1] if args.quick else SIZES
 
@@ -111,6 +122,25 @@ def main() -> None:
             t_col = f"{theirs * 1e3:12.1f}" if theirs is not None else f"{missing:>12}"
             r_col = f"{theirs / ours:9.0f}x" if theirs is not None else f"{'':>10}"
             print(f"{name:<18}{pp:>4}{m:>6}{ours * 1e3:12.3f}{t_col}{r_col}", flush=True)
+    search_table(SEARCH_SIZES[:-1] if args.quick else SEARCH_SIZES, args.reps, args.peer_reps)
+
+
+def search_table(sizes, reps: int, peer_reps: int) -> None:
+    print()
+    header = (f"{'schedule':<10}{'pp':>4}{'m':>6}{'costs':>7}{'search ms':>12}"
+              f"{'exhaustive ms':>15}{'speedup':>9}")
+    print(header)
+    print("-" * len(header))
+    for name in SEARCHED:
+        for pp, m in sizes:
+            k = 1 if name == "zb_auto" else 2
+            for label, costs in (("unit", {}), ("1.5B", PAPER_COSTS)):
+                opts = {n: ([v / k] if n != "comm" else v) for n, v in costs.items()}
+                ours = median_seconds(lambda: _C.compile(name, pp, m, **opts), reps)
+                full = median_seconds(
+                    lambda: _C.compile(name, pp, m, exhaustive_search=True, **opts), peer_reps)
+                print(f"{name:<10}{pp:>4}{m:>6}{label:>7}{ours * 1e3:12.2f}{full * 1e3:15.1f}"
+                      f"{full / ours:8.0f}x", flush=True)
 
 
 if __name__ == "__main__":

@@ -6,7 +6,8 @@ costs) settings, from the simulator, plus zb_auto's build time against compiling
 Costs are per 1F1B stage (1/pp of the model); a schedule with k stages per rank runs each
 slice as k stages costing 1/k of it, so every row simulates the same model. Peak memory is the
 largest per-rank peak, in (stage, microbatch) units and in 1F1B-stage microbatches (units / k).
-"makespan x" is the makespan relative to 1f1b in the same setting.
+"makespan x" is the makespan relative to 1f1b in the same setting. The cost-driven schedules
+(zb_auto, v_half, v_min) are built under the setting's costs.
 
 The "zb-1.5B" setting is the Zero Bubble paper's 1.5B model (p=8, m=24) with its profiled times
 (ICLR 2024 version, Table 6): T_F=18.522, T_B=18.086, T_W=9.337, T_comm=0.601.
@@ -45,8 +46,9 @@ def run_setting(name, pp, m, f, b, w, comm):
         try:
             prog = zbpipe.compile(sched, pp, m)
             costs = {"f": per_stage(f, prog), "b": per_stage(b, prog), "w": per_stage(w, prog)}
-            if sched == "zb_auto":  # cost-driven: build under the costs it will run with
-                prog = zbpipe.compile(sched, pp, m, comm=comm, memory_cap=cap, **costs)
+            if "f" in zbpipe.schedule_options(sched):  # cost-driven: build under these costs
+                extra = {} if cap is None else {"memory_cap": cap}
+                prog = zbpipe.compile(sched, pp, m, comm=comm, **extra, **costs)
             res = zbpipe.simulate(prog, comm=comm, **costs)
         except ValueError as exc:
             rows.append((sched, None, str(exc).splitlines()[0]))

@@ -90,6 +90,14 @@ def test_compare_lists_every_schedule_that_accepts(capsys):
     (["frobnicate"], "invalid choice"),
     (["draw", "1f1b", "--pp", "2", "-m", "2"], "-o/--output"),
     (["draw", "--trace", "/nonexistent/trace.json", "-o", "x.png"], "cannot read trace"),
+    (["simulate", "zbv", "--pp", "2", "-m", "4", "--f", "inf"], "--f: costs must be finite"),
+    (["simulate", "zbv", "--pp", "2", "-m", "4", "--b", "1,nan"], "--b: costs must be finite"),
+    (["simulate", "zbv", "--pp", "2", "-m", "4", "--comm", "inf"], "--comm: costs must be finite"),
+    (["draw", "1f1b", "--pp", "2", "-m", "2", "-o", "/nonexistent/x.png"],
+     "cannot write '/nonexistent/x.png': no directory '/nonexistent'"),
+    (["draw", "1f1b", "--pp", "2", "-m", "2", "-o", "x.notaformat"], "cannot write 'x.notaformat'"),
+    (["plan", "PipelineScheduleSingle", "--pp", "2", "-m", "2"], "is a base class, not a schedule"),
+    (["plan", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "3"], "fixes its memory cap"),
 ])
 def test_user_errors_are_one_line_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
@@ -98,6 +106,40 @@ def test_user_errors_are_one_line_exit_2(capsys, argv, needle):
     assert len(lines) == 1 and lines[0].startswith("zbpipe: error: "), err
     assert needle in lines[0]
     assert "Traceback" not in err
+
+
+def test_plan_takes_a_memory_cap(capsys):
+    code, capped, _ = run(capsys, "plan", "zb_auto", "--pp", "4", "-m", "8", "--memory-cap", "4")
+    assert code == 0
+    _, free, _ = run(capsys, "plan", "zb_auto", "--pp", "4", "-m", "8", "--memory-cap", "7")
+    peaks = list(zbpipe.simulate(zbpipe.compile("zb_auto", 4, 8, memory_cap=4)).peak_activations)
+    assert max(peaks) <= 4 and f"peak activations per rank: {peaks}" in capped
+    assert capped != free  # the cap reached the compiler
+
+
+@pytest.mark.parametrize("torch_name,ours", [("ZBVZeroBubble", "zbv"), ("ScheduleInterleaved1F1B", "interleaved_1f1b"),
+                                             ("1F1B", "1f1b"), ("DualPipeV", "dualpipev")])
+def test_pytorch_schedule_names_are_accepted(capsys, torch_name, ours):
+    argv = ["--pp", "2", "-m", "4"]
+    code, out, err = run(capsys, "plan", torch_name, *argv)
+    assert code == 0, err
+    assert out == run(capsys, "plan", ours, *argv)[1]
+    code, out, _ = run(capsys, "simulate", torch_name, *argv, "--f", "2")
+    assert code == 0 and out == run(capsys, "simulate", ours, *argv, "--f", "2")[1]
+
+
+def test_train_errors_and_help(capsys):
+    code, _, err = run(capsys, "train", "--batch-size", "0")
+    assert code == 2 and "--batch-size must be >= 1" in err
+    assert "Traceback" not in err
+    code, out, _ = run(capsys, "train", "--help")
+    assert code == 0
+    text = " ".join(out.split())  # argparse wraps lines
+    for name in ("zb_auto", "v_half", "v_min"):
+        assert name in text.split("--schedule {")[1].split("}")[0]
+    for default in ("pipeline schedule (default: zbv)", "microbatches per step (default: 8)",
+                    "(whole batch) (default: 32)", "training steps (default: 300)", "(default: 0.003)"):
+        assert default in text, default
 
 
 def test_unknown_schedule_lists_all_valid_names(capsys):

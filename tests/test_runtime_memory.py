@@ -1,24 +1,32 @@
 """Memory follows the program: a rank holds the saved activations of exactly the (stage,
-microbatch) pairs the simulator counts live (from F to the pair's last backward action, B or
-W) and nothing after a step, for every training schedule at pp=4, under a saved_tensors_hooks
-pack that keeps the tensor (as save_on_cpu does on CPU: a saved output then forms a reference
-cycle with its node, which only releasing the node's saved tensors breaks). With save_on_cpu,
-a rank's RSS stays flat over 100 steps of every split (I/W) schedule. Reentrant checkpoint
-under a split schedule fails at the first step, naming use_reentrant=False.
+microbatch) pairs its program has live (from F to the pair's last backward action, B or W;
+the simulator's peak is the largest such set) and nothing after a step, for every training
+schedule at pp=4, checked at the end of every forward in three ways on the same stages: a
+counting saved_tensors_hooks pack that keeps the tensor (as save_on_cpu does on CPU: a saved
+output then forms a reference cycle with its node, which only releasing the node's saved
+tensors breaks); no hooks at all (weak references to the storages autograd saved); and
+non-reentrant checkpoint under the counting hook (the checkpoint's saved inputs live as long
+as any node that may recompute from them). With save_on_cpu, a rank's RSS stays flat over 100
+steps of every split (I/W) schedule. Reentrant checkpoint under a split schedule fails at the
+first step, naming use_reentrant=False.
 """
 
 from __future__ import annotations
 
+import re
 import weakref
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils.checkpoint import checkpoint
 
 from _models import build, data
 from _pp_world import run_world
 
-STEPS = 2
+STEPS = 2  # per mode
+MODES = ("hook", "plain", "checkpoint")
 
 
 class _Holder:  # what the counting pack hook saves: the tensor itself, like save_on_cpu on CPU
@@ -28,21 +36,45 @@ class _Holder:  # what the counting pack hook saves: the tensor itself, like sav
         self.t = t
 
 
+def _saved_storages(out: torch.Tensor, skip: set[int]) -> list[StorageWeakRef]:
+    """Weak references to the storages the forward's graph saved (its nodes' _saved_*
+    tensors), but those in `skip` (parameters, the stage input)."""
+    refs, seen, stack = {}, set(), [out.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        for name in dir(node):
+            if not name.startswith("_saved_"):
+                continue
+            val = getattr(node, name)
+            for t in val if isinstance(val, (tuple, list)) else (val,):
+                if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in skip:
+                    refs.setdefault(t.untyped_storage().data_ptr(), StorageWeakRef(t.untyped_storage()))
+        stack.extend(fn for fn, _ in node.next_functions)
+    return list(refs.values())
+
+
 class LiveCounter:
-    """Counting saved_tensors_hooks for the stages of one rank: which (stage, microbatch)
-    pairs hold a saved tensor, sampled at every pack (activations only grow during F)."""
+    """What each (stage, microbatch) pair of one rank's stages still holds, in `mode`, with a
+    snapshot of the live pairs at the end of every forward."""
 
     def __init__(self, microbatches: int):
         self.m = microbatches
+        self.mode = MODES[0]
         self.refs: dict[tuple[int, int], list] = {}
         self.calls: dict[int, int] = {}
-        self.peak = 0
+        self.snapshots: list[frozenset] = []
 
-    def live_pairs(self) -> int:
-        return sum(any(r() is not None for r in refs) for refs in self.refs.values())
+    def _alive(self, r) -> bool:
+        return not r.expired() if isinstance(r, StorageWeakRef) else r() is not None
+
+    def live_pairs(self) -> frozenset:
+        return frozenset(k for k, refs in self.refs.items() if any(self._alive(r) for r in refs))
 
     def live_tensors(self) -> int:
-        return sum(r() is not None for refs in self.refs.values() for r in refs)
+        return sum(self._alive(r) for refs in self.refs.values() for r in refs)
 
     def wrap(self, module: nn.Module, stage: int) -> nn.Module:
         counter = self
@@ -58,18 +90,42 @@ class LiveCounter:
                 k = counter.calls.get(stage, 0)
                 counter.calls[stage] = k + 1
                 key = (stage, k % counter.m)  # each stage runs its forwards in microbatch order
-                counter.refs[key] = []
+                refs = counter.refs[key] = []
+                if counter.mode == "plain":
+                    out = self.inner(x)
+                    skip = {p.untyped_storage().data_ptr() for p in self.parameters()}
+                    refs.extend(_saved_storages(out, skip | {x.untyped_storage().data_ptr()}))
+                else:
+                    def pack(t):
+                        h = _Holder(t)
+                        refs.append(weakref.ref(h))
+                        return h
 
-                def pack(t):
-                    h = _Holder(t)
-                    counter.refs[key].append(weakref.ref(h))
-                    counter.peak = max(counter.peak, counter.live_pairs())
-                    return h
-
-                with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
-                    return self.inner(x)
+                    with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
+                        if counter.mode == "checkpoint":
+                            out = checkpoint(self.inner, x, use_reentrant=False)
+                        else:
+                            out = self.inner(x)
+                assert refs, f"{counter.mode}: nothing saved for stage {stage}"
+                counter.snapshots.append(counter.live_pairs())
+                return out
 
         return Counted()
+
+
+def _program_live_sets(prog, rank: int) -> list[frozenset]:
+    """The rank's live (stage, microbatch) pairs at the end of each of its forwards, in program
+    order: a pair is live from its F to its B or W (an OVERLAP_F_B runs F, then B)."""
+    live, out = set(), []
+    for action in prog.compute_actions(rank):
+        for stage, kind, mb in re.findall(r"(\d+)([FBIW])(\d+)", action):
+            pair = (int(stage), int(mb))
+            if kind == "F":
+                live.add(pair)
+                out.append(frozenset(live))
+            elif kind in "BW":
+                live.discard(pair)
+    return out
 
 
 def _memory_world(rank, pp):
@@ -81,33 +137,43 @@ def _memory_world(rank, pp):
             continue
         m = 2 * pp
         prog = zbpipe.compile(name, pp, m)
-        want = zbpipe.simulate(prog).peak_activations[rank]
+        want = _program_live_sets(prog, rank)
         mods = build("mlp", prog.num_stages)
         counter = LiveCounter(m)
         mine = [s for s in range(prog.num_stages) if prog.stage_to_rank[s] == rank]
         stages = [zbpipe.PipelineStage(counter.wrap(mods[s], s), s, prog.num_stages, "cpu") for s in mine]
         sched = zbpipe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], m,
                                                loss_fn=F.mse_loss, timeout=60)
-        after = []
-        for k in range(STEPS):
-            x, y = data("mlp", 2 * m, seed=k + 1)
-            sched.step(*((x,) if 0 in mine else ()), target=y if prog.num_stages - 1 in mine else None)
-            after.append(counter.live_tensors())
-        out[name] = {"peak": counter.peak, "want": want, "after": after}
+        res = {"simulator": zbpipe.simulate(prog).peak_activations[rank], "program": max(map(len, want))}
+        for mode in MODES:
+            counter.mode = mode
+            for k in range(STEPS):
+                counter.snapshots = []
+                x, y = data("mlp", 2 * m, seed=k + 1)
+                sched.step(*((x,) if 0 in mine else ()), target=y if prog.num_stages - 1 in mine else None)
+                wrong = [(i, sorted(got), sorted(exp)) for i, (got, exp) in enumerate(zip(counter.snapshots, want))
+                         if got != exp]
+                if len(counter.snapshots) != len(want):
+                    wrong.append(("forwards", len(counter.snapshots), len(want)))
+                res[f"{mode} step {k + 1}"] = {"wrong": wrong[:2], "after": counter.live_tensors()}
+        out[name] = res
     return out
 
 
-def test_saved_activations_follow_the_simulator_for_every_schedule():
-    results, codes, leftover = run_world(4, _memory_world, timeout=240)
+def test_saved_activations_follow_the_program_for_every_schedule():
+    results, codes, leftover = run_world(4, _memory_world, timeout=300)
     assert not leftover, f"ranks {leftover} had to be killed"
     assert sorted(results) == [0, 1, 2, 3], f"missing results: {results} (exit codes {codes})"
     bad = []
     for rank, res in sorted(results.items()):
         assert "error" not in res, f"rank {rank}:\n{res['error']}"
         for name, r in res.items():
-            if r["peak"] != r["want"] or any(r["after"]):
-                bad.append(f"{name} rank {rank}: peak live (stage, microbatch) pairs {r['peak']}, "
-                           f"simulator {r['want']}; hooked saved tensors alive after each step {r['after']}")
+            if r["simulator"] != r["program"]:
+                bad.append(f"{name} rank {rank}: simulator peak {r['simulator']}, program's {r['program']}")
+            for step, got in r.items():
+                if isinstance(got, dict) and (got["wrong"] or got["after"]):
+                    bad.append(f"{name} rank {rank} {step}: live pairs at the end of forward #i (got, want) "
+                               f"{got['wrong']}; saved tensors alive after the step {got['after']}")
     assert not bad, "\n".join(bad)
 
 

@@ -220,6 +220,26 @@ def test_deferred_linear_queues_weight_gradients():
     for entry in queue:
         entry.run()
     _assert_same(_grads(model), _grads(ref))
+    # W builds no graph: a dW with history would keep the queued activations alive in .grad.
+    assert all(p.grad.grad_fn is None and not p.grad.requires_grad for p in model.parameters())
+    # What W keeps per Linear: its input and its output gradient, nothing else.
+    assert [(tuple(e.x.shape), tuple(e.gy.shape)) for e in queue] == [((2, 3, 8), (2, 3, 6)), ((2, 3, 6), (2, 3, 8))]
+
+
+def test_deferred_linear_defers_linear_modules_only():
+    """A transformer block: its MLP's nn.Linear modules are deferred; attention calls its
+    projections through their weights (F.multi_head_attention_forward), so their dW and every
+    other parameter's gradient are computed in the backward itself (in I)."""
+    torch.manual_seed(0)
+    block = nn.TransformerEncoderLayer(8, nhead=2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    hook = DeferredLinearHook(block)
+    hook.queue = queue = []
+    y = block(torch.randn(2, 3, 8))
+    hook.queue = None
+    y.square().mean().backward()
+    waiting = {n for n, p in block.named_parameters() if p.grad is None}
+    assert waiting == {"linear1.weight", "linear1.bias", "linear2.weight", "linear2.bias"}
+    assert len(queue) == 2
 
 
 @pytest.mark.parametrize("cls", MODULES, ids=lambda c: c.__name__)
@@ -421,6 +441,11 @@ def test_graph_is_released_at_i_and_w_under_saved_tensor_hooks():
     del out
     live = lambda: sum(r() is not None for r in alive)  # noqa: E731
     assert len(alive) == 6 and live() == 4  # tanh's and relu's results are released at I
+    # What W keeps per Linear beyond those saved inputs: the output gradient its AddmmBackward
+    # received in I ([4, 6] float32 each).
+    assert work.captured_bytes == 2 * 4 * 6 * 4
+    held = sorted(tuple(r().t.shape) for r in alive if r() is not None)
+    assert held == [(4, 6), (4, 6), (6, 6), (6, 6)]  # x, tanh(h), the two weights (W's transposes)
     _C.backward_weight(work)
     del work
     gc.collect()
@@ -475,6 +500,9 @@ def test_deferred_linear_under_checkpoint_is_exact(reentrant):
     y = model(x.clone().requires_grad_(True))
     hook.queue = None
     y.square().sum().backward()
+    # Reentrant: the forward runs without grad and the recomputation's Linears compute their
+    # dW at once, in the backward (nothing queued); non-reentrant: both queue theirs for W.
+    assert len(queue) == (0 if reentrant else 2)
     for entry in queue:
         entry.run()
     hook.in_step = False
@@ -492,8 +520,58 @@ def test_compiled_stage_is_exact():
     xr = x.clone().requires_grad_(True)
     ref(xr).backward(g)
     xs = x.clone().requires_grad_(True)
-    (dx,), work = _C.backward_input([compiled(xs)], [g], [xs])
+    out = compiled(xs)
+    box = {}
+    i = _matmuls(lambda: box.setdefault("res", _C.backward_input([out], [g], [xs])))
+    (dx,), work = box["res"]
     assert all(p.grad is None for p in model.parameters()) and len(work) == 4
-    _C.backward_weight(work)
+    assert _matmuls(lambda: _C.backward_weight(work)) == 0 and i == 4  # dX and dW of both Linears, in I
     torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
+    _assert_same(_grads(model), _grads(ref))
+
+
+def test_checkpoint_recomputes_once_per_backward_call():
+    """Non-reentrant checkpoint recomputes once per autograd call (its cache is per graph
+    task), so a split stage recomputes the checkpointed forward in I and again in W (the
+    README says so)."""
+    calls = []
+    a, b = nn.Linear(6, 6), nn.Linear(6, 6)
+
+    def fn(t):
+        calls.append(1)
+        return b(torch.tanh(a(t)))
+
+    x = torch.randn(4, 6, requires_grad=True)
+    out = checkpoint(fn, x, use_reentrant=False) + x
+    (_dx,), work = _C.backward_input([out], [torch.ones(4, 6)], [x])
+    assert len(calls) == 2  # the forward, then I's recomputation
+    _C.backward_weight(work)
+    assert len(calls) == 3  # W's
+
+
+# Where PyTorch 2.13's own split (torch.distributed.pipelining._backward, as its PipelineStage
+# calls it on a stage whose input needs a gradient) is exact and where its W raises; the README's
+# comparison rests on this. Ours is exact on all of them (test_split_equals_full).
+TORCH_EXACT = [Reuse, Branches, Diamond, FixedKV]
+TORCH_RAISES = [Tied, Mixed]
+
+
+@pytest.mark.parametrize("cls", TORCH_EXACT + TORCH_RAISES, ids=lambda c: c.__name__)
+def test_pytorch_split_is_exact_on_a_reused_weight_and_raises_on_tied_and_mixed(cls):
+    from torch.distributed.pipelining._backward import stage_backward_input, stage_backward_weight
+
+    torch.manual_seed(0)
+    model = cls()
+    ref = copy.deepcopy(model)
+    x, g = torch.randn(4, 6), torch.randn(4, 6)
+    xr = x.clone().requires_grad_(True)
+    ref(xr).backward(g)
+    xs = x.clone().requires_grad_(True)
+    (dx,), groups = stage_backward_input([model(xs)], [g], [xs], model.parameters())
+    torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
+    if cls in TORCH_RAISES:  # its W: one parameter group's autograd.grad frees nodes another group needs
+        with pytest.raises(RuntimeError, match="backward through the graph a second time"):
+            stage_backward_weight(model.parameters(), groups)
+        return
+    stage_backward_weight(model.parameters(), groups)
     _assert_same(_grads(model), _grads(ref))

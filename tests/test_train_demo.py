@@ -29,6 +29,8 @@ def _run_demo(*args: str) -> subprocess.CompletedProcess:
     [
         ("--lib", "zbpipe", "--schedule", "zbv"),  # the default: V topology, split I/W
         ("--lib", "zbpipe", "--schedule", "1f1b"),  # one stage per rank, full backward
+        ("--lib", "zbpipe", "--schedule", "zb_auto"),  # cost-driven, at unit costs
+        ("--lib", "zbpipe", "--schedule", "v_min"),  # controllable-memory V
         ("--lib", "torch", "--schedule", "zbv"),  # the harness itself, against PyTorch's runtime
     ],
     ids=lambda a: "-".join(a[1::2]),

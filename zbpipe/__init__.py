@@ -7,9 +7,12 @@ runs them over a torch.distributed process group; this package keeps thin Python
 import torch  # noqa: F401  (must load before _C: _C links against torch's libraries)
 
 from ._C import Action, Kind, PipelineError, Program, ScheduleError, SimResult  # noqa: E402
-from .schedule_api import compile, schedule_names, simulate  # noqa: E402
+from .schedule_api import compile, schedule_names, schedule_options, simulate  # noqa: E402
 from .schedules import (  # noqa: E402
+    PipelineContext,
     PipelineSchedule,
+    PipelineScheduleMulti,
+    PipelineScheduleSingle,
     Schedule1F1B,
     ScheduleDualPipeV,
     ScheduleGPipe,
@@ -30,8 +33,13 @@ from .stage import PipelineStage  # noqa: E402
 __all__ = [
     "Action",
     "Kind",
+    "Pipe",
+    "PipeInfo",
+    "PipelineContext",
     "PipelineError",
     "PipelineSchedule",
+    "PipelineScheduleMulti",
+    "PipelineScheduleSingle",
     "PipelineStage",
     "Program",
     "Schedule1F1B",
@@ -49,9 +57,26 @@ __all__ = [
     "ScheduleZBH2",
     "ScheduleZBVZeroBubble",
     "SimResult",
+    "SplitPoint",
+    "build_stage",
     "compile",
     "get_schedule_class",
+    "pipe_split",
+    "pipeline",
     "schedule_names",
+    "schedule_options",
     "simulate",
 ]
 __version__ = "0.1.0"
+
+# The tracer front end (zbpipe/pipe.py) loads torch.distributed.pipelining and torch.export:
+# imported on first use, so `import zbpipe` stays fast.
+_PIPE_NAMES = ("Pipe", "PipeInfo", "SplitPoint", "build_stage", "pipe_split", "pipeline")
+
+
+def __getattr__(name):
+    if name in _PIPE_NAMES:
+        from . import pipe
+
+        return getattr(pipe, name)
+    raise AttributeError(f"module 'zbpipe' has no attribute '{name}'")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import math
 import os
 import sys
 
@@ -50,9 +51,17 @@ def _costs(text: str) -> list[float]:
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a number or comma-separated numbers, got '{text}'") from None
+    if not all(math.isfinite(v) for v in values):
+        raise argparse.ArgumentTypeError(f"costs must be finite numbers, got '{text}'")
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"costs must be non-negative, got '{text}'")
     return values
+
+
+def _latency(text: str) -> float:
+    if "," in text:
+        raise argparse.ArgumentTypeError(f"expected one number, got '{text}'")
+    return _costs(text)[0]
 
 
 def _size(text: str) -> tuple[int, int]:
@@ -75,7 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     sched = _Parser(add_help=False)
     sched.add_argument("schedule", nargs="?", metavar="SCHEDULE",
-                       help="schedule name (see `zbpipe simulate --compare` for all)")
+                       help="schedule name (see `zbpipe simulate --compare` for all), or "
+                            "PyTorch's class name (ZBVZeroBubble, ScheduleInterleaved1F1B, ...)")
     sched.add_argument("--pp", type=_positive_int, help="pipeline ranks")
     sched.add_argument("--microbatches", "-m", type=_positive_int, help="microbatches per step")
     sched.add_argument("--stages-per-rank", type=_positive_int, default=None,
@@ -86,24 +96,25 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--b", type=_costs, default=[1.0], help="backward-input time (default 1)")
     costs.add_argument("--w", type=_costs, default=[1.0], help="backward-weight time (default 1)")
     costs.add_argument("--b-full", type=_costs, default=None, help="full backward time (default b+w)")
-    costs.add_argument("--comm", type=float, default=0.0, help="cross-rank latency (default 0)")
-    costs.add_argument("--memory-cap", type=_positive_int, default=None,
-                       help="activation cap per rank in (stage, microbatch) units (zb_auto)")
+    costs.add_argument("--comm", type=_latency, default=0.0, help="cross-rank latency (default 0)")
+    cap = _Parser(add_help=False)
+    cap.add_argument("--memory-cap", type=_positive_int, default=None,
+                     help="activation cap per rank in (stage, microbatch) units (zb_auto)")
     costs.add_argument("--raw-costs", action="store_true",
                        help="apply cost values to each schedule stage unchanged")
 
     fmt = argparse.RawDescriptionHelpFormatter
-    sub.add_parser("plan", parents=[sched], formatter_class=fmt,
+    sub.add_parser("plan", parents=[sched, cap], formatter_class=fmt,
                    epilog="memory:" + COSTS_HELP.split("memory:")[1],
                    help="print the per-rank program as a slot grid at unit costs",
                    description="The schedule as a grid: ranks as rows, one column per time slot "
                                "at unit costs (F = I = W = 1, B = 2), then its bubble rate and "
                                "peak memory per rank.")
-    sim = sub.add_parser("simulate", parents=[sched, costs], formatter_class=fmt, epilog=COSTS_HELP,
+    sim = sub.add_parser("simulate", parents=[sched, costs, cap], formatter_class=fmt, epilog=COSTS_HELP,
                          help="the simulator's numbers under a cost model")
     sim.add_argument("--compare", action="store_true",
                      help="one table over every schedule that accepts (pp, microbatches)")
-    draw = sub.add_parser("draw", parents=[sched, costs], formatter_class=fmt, epilog=COSTS_HELP,
+    draw = sub.add_parser("draw", parents=[sched, costs, cap], formatter_class=fmt, epilog=COSTS_HELP,
                           help="a timeline picture (needs matplotlib)")
     draw.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf)")
     draw.add_argument("--trace", help="draw a runtime Chrome-trace JSON instead of a schedule")
@@ -121,7 +132,17 @@ def _check_schedule(args) -> None:
         raise CliError("a SCHEDULE is required")
     names = schedule_names()
     if args.schedule not in names:
-        raise CliError(f"unknown schedule '{args.schedule}' (valid: {', '.join(names)})")
+        # PyTorch's names, as zbpipe.get_schedule_class takes them ("ZBVZeroBubble", ...).
+        from .schedules import get_schedule_class
+
+        valid = f"valid: {', '.join(names)}, or PyTorch's class names such as ZBVZeroBubble"
+        try:
+            cls = get_schedule_class(args.schedule)
+        except ValueError:
+            raise CliError(f"unknown schedule '{args.schedule}' ({valid})") from None
+        if not cls.schedule:
+            raise CliError(f"'{args.schedule}' is a base class, not a schedule ({valid})")
+        args.schedule = cls.schedule
     for opt in ("pp", "microbatches"):
         if getattr(args, opt) is None:
             raise CliError(f"--{opt} is required")
@@ -143,16 +164,20 @@ def _stage_costs(values: list[float] | None, num_stages: int, pp: int, raw: bool
 
 
 def _compile(name: str, args) -> _C.Program:
-    """Compiles `name` for the CLI request; a cost-driven schedule gets the costs it will be
-    simulated under. --memory-cap goes to the named schedule (which may reject it), and in
-    --compare only to the schedules that take one."""
+    """Compiles `name` for the CLI request; a cost-driven schedule (one that takes costs, see
+    zbpipe.schedule_options) is built under the costs it will be simulated with. --memory-cap
+    goes to the named schedule (which refuses it unless it takes one), and in --compare only to
+    the schedules that take any cap."""
     kw = {}
     if args.memory_cap and (name in CAPPED or not args.compare_mode):
         kw["memory_cap"] = args.memory_cap
-    if name in CAPPED:
-        # Cost-driven schedules are one stage per rank (the builder rejects any other count), so
-        # their per-stage costs are known before the (expensive) search runs once.
-        kw.update(_sim_costs(args.pp * (args.stages_per_rank or 1), args))
+    if "f" in _C.schedule_options(name):
+        # The CLI's costs are per 1F1B stage, split over the schedule's stages: a unit-cost
+        # build gives the stage count. b_full is the simulator's alone (no builder runs a B).
+        stages = compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank,
+                                  **kw).num_stages
+        costs = _sim_costs(stages, args)
+        kw.update({n: costs[n] for n in ("f", "b", "w", "comm")})
     return compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank, **kw)
 
 
@@ -180,7 +205,8 @@ def _header(prog: _C.Program) -> str:
 
 def cmd_plan(args, out) -> int:
     _check_schedule(args)
-    prog = compile_schedule(args.schedule, args.pp, args.microbatches, args.stages_per_rank)
+    prog = compile_schedule(args.schedule, args.pp, args.microbatches, args.stages_per_rank,
+                            memory_cap=args.memory_cap)
     res = simulate(prog, 1.0, 1.0, 1.0, 0.0)
     print(_header(prog), file=out)
     k = prog.num_stages // prog.pp
@@ -251,6 +277,9 @@ def cmd_draw(args, out) -> int:
         raise CliError("draw needs matplotlib (pip install matplotlib)") from None
     from . import plot
 
+    folder = os.path.dirname(os.path.abspath(args.output))
+    if not os.path.isdir(folder):
+        raise CliError(f"cannot write '{args.output}': no directory '{folder}'")
     if args.trace:
         if args.schedule is not None:
             raise CliError("give either SCHEDULE or --trace, not both")
@@ -262,8 +291,11 @@ def cmd_draw(args, out) -> int:
             raise CliError(str(exc)) from None
         pp = max(b.rank for b in boxes) + 1
         size = args.size or (1600, 120 + 60 * pp)
-        plot.draw(boxes, [], pp, args.output, size=size, title=f"trace {args.trace}",
-                  time_unit="ms")
+        try:
+            plot.draw(boxes, [], pp, args.output, size=size, title=f"trace {args.trace}",
+                      time_unit="ms")
+        except (OSError, ValueError) as exc:
+            raise CliError(f"cannot write '{args.output}': {getattr(exc, 'strerror', None) or exc}") from None
     else:
         _check_schedule(args)
         prog = _compile(args.schedule, args)
@@ -274,7 +306,10 @@ def cmd_draw(args, out) -> int:
         size = args.size or (1600, 120 + 60 * prog.pp)
         title = (f"{_header(prog)}; bubble {res.bubble_rate:.3f}, "
                  f"peak {max(res.peak_activations)} units")
-        plot.draw(boxes, arrows, prog.pp, args.output, size=size, title=title)
+        try:
+            plot.draw(boxes, arrows, prog.pp, args.output, size=size, title=title)
+        except (OSError, ValueError) as exc:  # unwritable file, unknown image format
+            raise CliError(f"cannot write '{args.output}': {getattr(exc, 'strerror', None) or exc}") from None
     print(f"wrote {args.output}", file=out)
     return 0
 

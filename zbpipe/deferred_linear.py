@@ -59,7 +59,10 @@ class _DeferredLinearFn(torch.autograd.Function):
             gw = gy2.t().mm(x.reshape(-1, x.shape[-1])) if ctx.needs_input_grad[1] else None
             gb = gy2.sum(0) if ctx.needs_input_grad[2] else None
             return gx, gw, gb, None
-        ctx.queue.append(_LinearWeightGrad(x, gy, ctx.weight, ctx.bias))
+        # Detached: the saved input of a Linear after the first carries its forward history
+        # (dW computed from it would get a grad_fn that keeps the activations alive in .grad),
+        # and a stage input's .grad (the input gradient I sends) would live until W.
+        ctx.queue.append(_LinearWeightGrad(x.detach(), gy, ctx.weight, ctx.bias))
         return gx, None, None, None
 
 

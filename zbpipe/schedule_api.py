@@ -20,6 +20,10 @@ def _as_list(name: str, value: Cost | None) -> list[float]:
     return values
 
 
+def _given_list(name: str, value: Cost | None) -> list[float] | None:
+    return None if value is None else _as_list(name, value)
+
+
 def schedule_names() -> list[str]:
     """Every schedule the core can build, in a stable order."""
     return _C.schedule_names()
@@ -31,30 +35,38 @@ def compile(
     microbatches: int,
     stages_per_rank: int | None = None,
     *,
-    f: Cost = 1.0,
-    b: Cost = 1.0,
-    w: Cost = 1.0,
+    f: Cost | None = None,
+    b: Cost | None = None,
+    w: Cost | None = None,
     b_full: Cost | None = None,
-    comm: float = 0.0,
+    comm: float | None = None,
     memory_cap: int | None = None,
 ) -> _C.Program:
     """Builds, lowers (SEND/RECV) and validates a schedule; raises ScheduleError on bad input.
 
-    The costs only matter to cost-driven schedules (``zb_auto``); ``memory_cap`` is the
-    per-rank activation cap in microbatches where a schedule takes one.
+    The costs (f, b, w, comm; unit costs when not given) and ``memory_cap`` (per-rank
+    activation cap in microbatches) steer the cost-driven schedules (``schedule_options(name)``:
+    zb_auto, v_half, v_min). Any of them given to a schedule that does not use it raises
+    ScheduleError naming the schedules that do; to time a program under costs, pass them to
+    ``simulate``. No schedule builds with ``b_full``.
     """
     return _C.compile(
         schedule,
         pp,
         microbatches,
         stages_per_rank or 0,
-        _as_list("f", f),
-        _as_list("b", b),
-        _as_list("w", w),
-        _as_list("b_full", b_full),
-        float(comm),
-        memory_cap or 0,
+        f=_given_list("f", f),
+        b=_given_list("b", b),
+        w=_given_list("w", w),
+        b_full=_given_list("b_full", b_full),
+        comm=None if comm is None else float(comm),
+        memory_cap=memory_cap,
     )
+
+
+def schedule_options(schedule: str) -> list[str]:
+    """The compile() options (cost fields, memory_cap) that `schedule` uses; others raise."""
+    return _C.schedule_options(schedule)
 
 
 def simulate(

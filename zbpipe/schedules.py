@@ -8,6 +8,7 @@ thin mapping to a zbpipe.compile() name; the C++ executor runs the compiled prog
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -58,13 +59,54 @@ def _merge(chunks: list) -> Any:
     return chunks
 
 
+class PipelineContext:
+    """What a custom function gets besides the action (torch's _PipelineContext fields), plus
+    run(part): the built-in computation of the action, or of one of its sub-actions."""
+
+    def __init__(self, schedule, executor, arg_mbs, kwarg_mbs, target_mbs, losses, loss_kwargs):
+        self.schedule_ref = schedule
+        self.arg_mbs = arg_mbs          # first stage's rank: per-microbatch positional args
+        self.kwarg_mbs = kwarg_mbs      # per-microbatch keyword args (None without any)
+        self.target_mbs = target_mbs    # last stage's rank: per-microbatch targets
+        self.losses = losses            # the list given to step (filled after the step)
+        self.loss_kwargs = loss_kwargs
+        self._executor = executor
+
+    def run(self, part: _C.Action) -> None:
+        """Runs `part` (the action itself, or a sub-action of an OVERLAP_F_B) as zbpipe would:
+        waits on its receives, computes, hands its result on. Each part exactly once."""
+        self._executor.run_part(part)
+
+
+# torch's computation-type names -> zbpipe kinds (register_custom_function accepts either).
+_TORCH_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W",
+                "OVERLAP_F_B": "OVERLAP_F_B"}
+_CUSTOM_KINDS = ("F", "B", "I", "W", "OVERLAP_F_B")
+
+
+def _custom_kind(kind) -> _C.Kind:
+    name = kind.name if hasattr(kind, "name") else str(kind)
+    name = _TORCH_KINDS.get(name, name)
+    if name not in _CUSTOM_KINDS:
+        raise ValueError(
+            f"register_custom_function: {kind} is not a compute kind of zbpipe's programs "
+            f"(valid: {', '.join(_CUSTOM_KINDS)} or torch's {', '.join(_TORCH_KINDS)}); zbpipe "
+            "programs have no UNSHARD / RESHARD / REDUCE_GRAD actions")
+    return getattr(_C.Kind, name)
+
+
+def _trains(program: _C.Program) -> bool:
+    return any(a.kind != _C.Kind.F for r in range(program.pp) for a in program.rank_actions(r)
+               if a.is_compute)
+
+
 class PipelineSchedule:
     """Base of every schedule class: `schedule` is the zbpipe.compile() name.
 
     Args:
         stages: this rank's PipelineStage, or the list of them (multi-stage schedules).
         n_microbatches: microbatches per step (the batch must split evenly).
-        loss_fn: loss_fn(output, target) on the last stage; None runs forward only.
+        loss_fn: loss_fn(output, target, **loss_kwargs) on the last stage; None runs forward only.
         scale_grads: gradients of the mean microbatch loss (as one full-batch mean loss); the
             scaling is applied to each microbatch loss before its backward, so gradients
             accumulated from earlier steps are not rescaled.
@@ -100,6 +142,9 @@ class PipelineSchedule:
             raise NotImplementedError(
                 "zbpipe splits tensors along dim 0 and concatenates outputs along dim 0; custom "
                 "chunk/merge specs are not supported")
+        if not self.schedule and _program is None:
+            raise TypeError(f"{type(self).__name__} is a base class: use a schedule class "
+                            "(zbpipe.get_schedule_class) or from_program")
         self._stages = [stages] if isinstance(stages, PipelineStage) else sorted(stages, key=lambda s: s.stage_index)
         if not self._stages:
             raise ValueError("a schedule needs at least one stage")
@@ -107,8 +152,12 @@ class PipelineSchedule:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
         group = self._stages[0].group
         for s in self._stages:
-            if s.group is not group and s.group_size != self._stages[0].group_size:
-                raise ValueError("all stages of a schedule must share one process group")
+            if s.group is not group:
+                raise ValueError(
+                    f"all stages of a schedule must share one process group: stage "
+                    f"{self._stages[0].stage_index} has {group!r} (size "
+                    f"{self._stages[0].group_size}), stage {s.stage_index} {s.group!r} (size "
+                    f"{s.group_size})")
         self._n = n_microbatches
         self._loss_fn = loss_fn
         self._has_backward = loss_fn is not None and not self.forward_only
@@ -119,20 +168,27 @@ class PipelineSchedule:
         self._group = group
         pp = self._stages[0].group_size
         num_stages = self._stages[0].num_stages
-        if num_stages % pp != 0:
-            raise ValueError(f"num_stages={num_stages} is not a multiple of the group size {pp}")
         if _program is not None:
+            # Any layout that validates (uneven ones included); the executor checks that this
+            # rank holds exactly the program's stages.
             if _program.pp != pp or _program.num_stages != num_stages:
                 raise ValueError(
                     f"program '{_program.schedule}' has pp={_program.pp}, num_stages="
                     f"{_program.num_stages}; the stages say pp={pp}, num_stages={num_stages}")
             self._program = _program
         else:
+            if num_stages % pp != 0:
+                raise ValueError(f"num_stages={num_stages} is not a multiple of the group size {pp} "
+                                 "(uneven layouts run through PipelineSchedule.from_program)")
             options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                    for k, v in (compile_options or {}).items()))
             self._program = _cached_program(self.schedule, pp, n_microbatches, num_stages // pp,
                                             not self._has_backward, options)
-        self._executor: _C.Executor | None = None
+        self._eval_program: _C.Program | None = None
+        self._executors: dict[bool, _C.Executor] = {}  # training? -> executor of that program
+        self._custom: dict[_C.Kind, Callable] = {}
+        self._ctx: PipelineContext | None = None
+        self._last: _C.Executor | None = None  # the executor of the last step (trace)
 
     @property
     def program(self) -> _C.Program:
@@ -141,16 +197,26 @@ class PipelineSchedule:
     @classmethod
     def from_program(cls, stages, program: _C.Program, loss_fn: Callable | None = None, **kwargs) -> "PipelineSchedule":
         """A schedule running a given lowered program (e.g. zbpipe.Program.from_csv of a
-        PyTorch CSV); its microbatch count is the program's."""
+        PyTorch CSV, or Program.from_actions with any stage-to-rank layout, uneven ones
+        included); its microbatch count is the program's."""
         self = cls.__new__(cls)
         self.schedule = program.schedule
         PipelineSchedule.__init__(self, stages, program.microbatches, loss_fn, _program=program, **kwargs)
         return self
 
-    def _get_executor(self) -> _C.Executor:
-        if self._executor is None:
-            self._executor = _C.Executor(
-                self._program,
+    def _program_for(self, train: bool) -> _C.Program:
+        if train or not _trains(self._program):
+            return self._program
+        if self._eval_program is None:  # the same forwards, in the same order and topology
+            self._eval_program = _C.lower(_C.strip_backward(self._program.compute_only()))
+        return self._eval_program
+
+    def _get_executor(self, train: bool = True) -> _C.Executor:
+        train = train and self._has_backward
+        ex = self._executors.get(train)
+        if ex is None:
+            ex = self._executors[train] = _C.Executor(
+                self._program_for(train),
                 self._group,
                 {s.stage_index: s for s in self._stages},
                 self._stages[0].device,
@@ -158,66 +224,135 @@ class PipelineSchedule:
                 self._device_timing,
                 self._prepost_receives,
             )
-        return self._executor
+            self._install_custom(ex)
+        return ex
 
-    def step(self, *args, target=None, losses: list | None = None, **kwargs):
+    def _install_custom(self, ex: _C.Executor) -> None:
+        fns = dict(self._custom)
+        if not fns:
+            ex.set_custom_actions(None, [])
+            return
+
+        owner = weakref.ref(self)  # the executor keeps dispatch: no cycle through C++
+
+        def dispatch(action):
+            fns[action.kind](action, owner()._ctx)
+
+        ex.set_custom_actions(dispatch, list(fns))
+
+    def register_custom_function(self, computation_type, custom_function: Callable) -> None:
+        """torch's hook: actions of `computation_type` (zbpipe.Kind F, B, I, W, OVERLAP_F_B, or
+        torch's FORWARD, FULL_BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, OVERLAP_F_B) run
+        custom_function(action, ctx) instead of the built-in computation, called from the C++
+        executor (only for that kind). The function must run each compute part of the action
+        exactly once with ctx.run(part): the action itself, or both sub-actions of an
+        OVERLAP_F_B, in any order, with any work of its own around them. ctx carries torch's
+        _PipelineContext fields (schedule_ref, arg_mbs, kwarg_mbs, target_mbs, losses).
+        Registering a kind again replaces its function."""
+        kind = _custom_kind(computation_type)
+        if not callable(custom_function):
+            raise TypeError(f"custom_function must be callable, got {custom_function!r}")
+        self._custom[kind] = custom_function
+        for ex in self._executors.values():
+            self._install_custom(ex)
+
+    def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, **kwargs):
         """One pipelined step over the whole batch: args on the first stage's rank, target on
-        the last; kwargs (chunked when they are tensors) reach every stage. Gradients
-        accumulate into .grad. Returns the merged output on the last stage, else None."""
+        the last; kwargs (chunked when they are tensors) reach every stage; loss_kwargs reach
+        only the loss function (loss_fn(output, target, **loss_kwargs), not chunked).
+        Gradients accumulate into .grad. `losses` is cleared and refilled with the
+        microbatch losses. Returns the merged output on the last stage (None with
+        return_outputs=False, and elsewhere). Raises RuntimeError under torch.no_grad() when the
+        schedule has a loss_fn, as torch does: use eval() there."""
+        if self._has_backward and not torch.is_grad_enabled():
+            raise RuntimeError(
+                "zbpipe: step() runs the backward and cannot run with gradients disabled "
+                "(torch.no_grad() / inference_mode); call eval() for a forward-only pass")
+        return self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, train=self._has_backward)
+
+    def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
+             loss_kwargs: dict | None = None, **kwargs):
+        """Forward only, in the schedule's forward order: no gradients, outputs merged on the
+        last stage, losses computed when a loss_fn and target are given. Runs with or without
+        torch.no_grad(); every rank of the pipeline calls it together, as step."""
+        return self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, train=False)
+
+    def _run(self, args, kwargs, target, losses, return_outputs, loss_kwargs, train: bool):
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"losses must be a list, got {type(losses).__name__}")
         n = self._n
         mb_args = _split(tuple(args), n, "argument") if any(s.is_first for s in self._stages) else None
         mb_kwargs = _split(dict(kwargs), n, "keyword argument") if kwargs else None
         mb_targets = None
         has_last = any(s.is_last for s in self._stages)
-        if has_last and self._loss_fn is not None and (target is not None or self._has_backward):
+        if has_last and self._loss_fn is not None and (target is not None or train):
             if target is None:
                 raise ValueError("zbpipe: the last stage needs target= when a loss_fn is set")
             mb_targets = _split(target, n, "target")
+        executor = self._get_executor(train)
         for s in self._stages:
             s._begin(mb_args if s.is_first else None, mb_kwargs, mb_targets if s.is_last else None,
-                     self._loss_fn if mb_targets is not None else None, self._has_backward)
+                     self._loss_fn if mb_targets is not None else None, train,
+                     keep_outputs=return_outputs, loss_kwargs=loss_kwargs)
+        if self._custom:
+            self._ctx = PipelineContext(self, executor, mb_args, mb_kwargs, mb_targets, losses, loss_kwargs)
+        self._last = executor
         try:
-            self._get_executor().run(1.0 / n if self._scale_grads else 1.0)
+            executor.run(1.0 / n if self._scale_grads else 1.0)
             last = next((s for s in self._stages if s.is_last), None)
             if last is None:
                 return None
-            if losses is not None and mb_targets is not None:
-                losses.extend(last.losses[i] for i in range(n))
-            return _merge([last.outputs[i] for i in range(n)])
+            if losses is not None:
+                losses.clear()
+                if mb_targets is not None:
+                    losses.extend(last.losses[i] for i in range(n))
+            return _merge([last.outputs[i] for i in range(n)]) if return_outputs else None
         finally:
+            self._ctx = None
             for s in self._stages:
                 s._end()
 
     def trace(self) -> list[dict]:
         """Per-action timing of the last step (host ns; device us when timed)."""
-        return self._executor.trace() if self._executor is not None else []
+        return self._last.trace() if self._last is not None else []
 
     def export_chrome_trace(self, path: str) -> None:
-        if self._executor is None:
+        if self._last is None:
             raise RuntimeError("no step has run yet")
-        self._executor.export_chrome_trace(path)
+        self._last.export_chrome_trace(path)
 
 
-def _schedule_class(class_name: str, schedule: str, doc: str = "", forward_only: bool = False) -> type:
+class PipelineScheduleSingle(PipelineSchedule):
+    """Base of the schedules with one stage per rank (torch's name, for issubclass checks)."""
+
+
+class PipelineScheduleMulti(PipelineSchedule):
+    """Base of the schedules that take a list of stages per rank (torch's name)."""
+
+
+def _schedule_class(class_name: str, schedule: str, doc: str = "", forward_only: bool = False,
+                    base: type = PipelineSchedule) -> type:
     """A schedule class for a compile() name: one line per schedule."""
     attrs = {"schedule": schedule, "forward_only": forward_only,
              "__doc__": doc or f"zbpipe '{schedule}' schedule.", "__module__": __name__}
-    return type(class_name, (PipelineSchedule,), attrs)
+    return type(class_name, (base,), attrs)
 
 
-ScheduleGPipe = _schedule_class("ScheduleGPipe", "gpipe", "All forwards, then all backwards.")
-Schedule1F1B = _schedule_class("Schedule1F1B", "1f1b", "One forward, one backward (PipeDream-flush).")
-ScheduleLoopedBFS = _schedule_class("ScheduleLoopedBFS", "looped_bfs", "Looped breadth-first, several stages per rank.")
-ScheduleInterleaved1F1B = _schedule_class("ScheduleInterleaved1F1B", "interleaved_1f1b", "Interleaved 1F1B (Megatron virtual stages).")
-ScheduleInterleavedZeroBubble = _schedule_class("ScheduleInterleavedZeroBubble", "interleaved_zb", "Interleaved zero bubble (ZB1P).")
-ScheduleZBVZeroBubble = _schedule_class("ScheduleZBVZeroBubble", "zbv", "Zero bubble V schedule (two stages per rank).")
-ScheduleDualPipeV = _schedule_class("ScheduleDualPipeV", "dualpipev", "DualPipeV (overlapped F/B pairs on a V).")
-ScheduleZBH1 = _schedule_class("ScheduleZBH1", "zb_h1", "Zero bubble H1 (1F1B memory).")
-ScheduleZBH2 = _schedule_class("ScheduleZBH2", "zb_h2", "Zero bubble H2 (zero bubble, more memory).")
-ScheduleZBAuto = _schedule_class("ScheduleZBAuto", "zb_auto", "Cost-driven zero bubble under an activation cap (pass compile_options with measured costs).")
-ScheduleVHalf = _schedule_class("ScheduleVHalf", "v_half", "Controllable-memory V schedule, about 1/2 of 1F1B's activations.")
-ScheduleVMin = _schedule_class("ScheduleVMin", "v_min", "Controllable-memory V schedule, about 1/3 of 1F1B's activations.")
-ScheduleInference = _schedule_class("ScheduleInference", "inference", "Forward only (a loss_fn is still applied to report losses).", forward_only=True)
+_ONE, _MULTI = PipelineScheduleSingle, PipelineScheduleMulti
+ScheduleGPipe = _schedule_class("ScheduleGPipe", "gpipe", "All forwards, then all backwards.", base=_ONE)
+Schedule1F1B = _schedule_class("Schedule1F1B", "1f1b", "One forward, one backward (PipeDream-flush).", base=_ONE)
+ScheduleLoopedBFS = _schedule_class("ScheduleLoopedBFS", "looped_bfs", "Looped breadth-first, several stages per rank.", base=_MULTI)
+ScheduleInterleaved1F1B = _schedule_class("ScheduleInterleaved1F1B", "interleaved_1f1b", "Interleaved 1F1B (Megatron virtual stages; one stage per rank runs as torch's does).", base=_MULTI)
+ScheduleInterleavedZeroBubble = _schedule_class("ScheduleInterleavedZeroBubble", "interleaved_zb", "Interleaved zero bubble (ZB1P; one stage per rank runs as torch's does).", base=_MULTI)
+ScheduleZBVZeroBubble = _schedule_class("ScheduleZBVZeroBubble", "zbv", "Zero bubble V schedule (two stages per rank).", base=_MULTI)
+ScheduleDualPipeV = _schedule_class("ScheduleDualPipeV", "dualpipev", "DualPipeV (overlapped F/B pairs on a V).", base=_MULTI)
+ScheduleZBH1 = _schedule_class("ScheduleZBH1", "zb_h1", "Zero bubble H1 (1F1B memory).", base=_ONE)
+ScheduleZBH2 = _schedule_class("ScheduleZBH2", "zb_h2", "Zero bubble H2 (zero bubble, more memory).", base=_ONE)
+ScheduleZBAuto = _schedule_class("ScheduleZBAuto", "zb_auto", "Cost-driven zero bubble under an activation cap (pass compile_options with measured costs).", base=_ONE)
+ScheduleVHalf = _schedule_class("ScheduleVHalf", "v_half", "Controllable-memory V schedule, about 1/2 of 1F1B's activations.", base=_MULTI)
+ScheduleVMin = _schedule_class("ScheduleVMin", "v_min", "Controllable-memory V schedule, about 1/3 of 1F1B's activations.", base=_MULTI)
+ScheduleInference = _schedule_class("ScheduleInference", "inference", "Forward only (a loss_fn is still applied to report losses).", forward_only=True, base=_ONE)
 
 _CLASSES = [
     ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
@@ -236,6 +371,9 @@ def get_schedule_class(name: str) -> type:
     "ScheduleGPipe", ...) or zbpipe.compile() names ("zbv", "zb_h1", ...). A compile() name
     without a named class gets a generated one."""
     key = _norm(name)
+    for base in (PipelineScheduleSingle, PipelineScheduleMulti):  # torch's base-class names
+        if key == _norm(base.__name__):
+            return base
     for cls in _CLASSES:
         if key in (_norm(cls.__name__), _norm(cls.schedule)):
             return cls
@@ -244,5 +382,6 @@ def get_schedule_class(name: str) -> type:
             cls = _schedule_class("Schedule_" + sched, sched)
             _CLASSES.append(cls)
             return cls
-    valid = sorted({c.__name__ for c in _CLASSES} | set(_C.schedule_names()))
+    valid = sorted({c.__name__ for c in _CLASSES} | set(_C.schedule_names())
+                   | {"PipelineScheduleSingle", "PipelineScheduleMulti"})
     raise ValueError(f"unknown schedule '{name}' (valid: {', '.join(valid)})")

@@ -10,7 +10,7 @@ autograd engine (csrc/runtime/stage_backward.h).
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -35,6 +35,9 @@ class PipelineStage:
         deferred_linear: run the nn.Linear layers' weight gradients as queued work in the W
             action instead of splitting the autograd graph (the layers' ``forward`` is
             replaced on the instances, so build the stage from the module you train).
+        dw_builder: torch's hook for modules that compute their own weight gradients: the
+            backward (B, or I) runs the full autograd backward, then ``dw_builder()`` is called
+            and the runner it returns is called at the microbatch's W (right away after a B).
 
     Shapes are fixed at the first step: every microbatch of every later step must match, and
     a stage producing another shape fails on its rank with both shapes named.
@@ -50,10 +53,13 @@ class PipelineStage:
         input_args: Any = None,
         output_args: Any = None,
         *,
+        dw_builder: Callable[[], Callable[[], None]] | None = None,
         deferred_linear: bool = False,
     ):
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
+        if dw_builder is not None and deferred_linear:
+            raise ValueError("dw_builder and deferred_linear both define the W action; give one")
         self.submod = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
@@ -66,6 +72,8 @@ class PipelineStage:
         self._input_args = input_args
         self._output_args = output_args
         self._linear = DeferredLinearHook(submodule) if deferred_linear else None
+        self.dw_builder = dw_builder
+        self._dw_runners: dict[int, Callable[[], None]] = {}  # mb -> runner, from I to W
         self._in_structure: str | None = None
         self._in_parsed: Any = None
         self._out_structure: str | None = None
@@ -76,12 +84,16 @@ class PipelineStage:
 
     # ---- per-step state, set by the schedule ---------------------------------------------
 
-    def _begin(self, args, kwargs, targets, loss_fn, has_backward: bool) -> None:
+    def _begin(self, args, kwargs, targets, loss_fn, has_backward: bool, keep_outputs: bool = True,
+               loss_kwargs: dict | None = None) -> None:
         self._mb_args = args        # first stage: per-microbatch positional args
         self._mb_kwargs = kwargs    # every stage: per-microbatch keyword args
         self._targets = targets     # last stage: per-microbatch targets
         self._loss_fn = loss_fn
+        self._loss_kwargs = loss_kwargs or {}  # the loss function's, the same every microbatch
         self._has_backward = has_backward
+        self._keep_outputs = keep_outputs      # last stage: keep outputs for step's return
+        self._dw_runners = {}
         self._queues: dict[int, list] = {}    # mb -> deferred Linear weight work, F to W
         if self._linear is not None:
             self._linear.in_step = has_backward  # a checkpoint recomputing defers the same way
@@ -93,12 +105,17 @@ class PipelineStage:
 
     # ---- executor callbacks ----------------------------------------------------------------
 
+    def _invoke(self, fn, args: tuple, kwargs: dict):
+        """The one place the module runs: fn is the module (or a functional call of it).
+        Front ends that route values between stages (zbpipe.pipeline) override it."""
+        return fn(*args, **kwargs)
+
     def _call(self, mb: int, inputs: list[torch.Tensor]):
         kwargs = self._mb_kwargs[mb] if self._mb_kwargs else {}
         if self.is_first:
-            return self.submod(*self._mb_args[mb], **kwargs)
+            return self._invoke(self.submod, tuple(self._mb_args[mb]), kwargs)
         args, named = _tree.as_call_args(_tree.unflatten(inputs, self._in_parsed))
-        return self.submod(*args, **named, **kwargs)
+        return self._invoke(self.submod, tuple(args), {**named, **kwargs})
 
     def _zb_forward(self, mb: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Flat outputs (the executor detaches what it sends), or [loss] on the last stage."""
@@ -115,21 +132,31 @@ class PipelineStage:
             out = self._call(mb, inputs)
         if not self.is_last:
             return _tree.flatten(out)[0]
-        self.outputs[mb] = _detach(out)
+        if self._keep_outputs:
+            self.outputs[mb] = _detach(out)
         if self._loss_fn is None:
             return []
         with contextlib.nullcontext() if self._has_backward else torch.no_grad():
-            loss = self._loss_fn(out, self._targets[mb])
+            loss = self._loss_fn(out, self._targets[mb], **self._loss_kwargs)
         self.losses[mb] = loss.detach()
         return [loss] if self._has_backward else []
 
     @property
     def _zb_queues_weight_work(self) -> bool:
         """Read once by the executor: W runs _zb_weight_work instead of its graph split."""
-        return self._linear is not None
+        return self._linear is not None or self.dw_builder is not None
+
+    def _zb_weight_work_queued(self, mb: int) -> None:
+        """Right after microbatch mb's backward (B or I): a dw_builder builds its runner."""
+        if self.dw_builder is not None:
+            self._dw_runners[mb] = self.dw_builder()
 
     def _zb_weight_work(self, mb: int) -> None:
-        """W of a deferred_linear stage: the Linear weight gradients its backward queued."""
+        """W of a deferred_linear stage (the Linear weight gradients its backward queued) or
+        of a dw_builder stage (the runner built after the backward)."""
+        if self.dw_builder is not None:
+            self._dw_runners.pop(mb)()
+            return
         for entry in self._queues.pop(mb):
             entry.run()
 
@@ -175,13 +202,17 @@ class PipelineStage:
                 else:
                     tensors = [torch.empty(s, dtype=d, device="meta") for s, d in specs]
                     args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_structure))
-                return torch.func.functional_call(self.submod, state, args, {**named, **meta_kw})
+
+                def meta_call(*a, **k):
+                    return torch.func.functional_call(self.submod, state, a, k)
+
+                return self._invoke(meta_call, tuple(args), {**named, **meta_kw})
             except Exception:
                 if self.is_first:
-                    return self.submod(*self._mb_args[0], **kwargs)
+                    return self._invoke(self.submod, tuple(self._mb_args[0]), kwargs)
                 tensors = [torch.zeros(s, dtype=d, device=self.device) for s, d in specs]
                 args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_structure))
-                return self.submod(*args, **named, **kwargs)
+                return self._invoke(self.submod, tuple(args), {**named, **kwargs})
 
 
 def _to_meta(v):

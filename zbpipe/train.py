@@ -28,26 +28,36 @@ from .examples.synthetic import MarkovTask
 from .examples.tiny_transformer import TinyConfig, build_stages, lm_loss, stage_io_examples
 
 
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every default, except where the help text already says it."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="zbpipe train",
         description="Pipelined training of a tiny transformer, checked against the same model "
         "trained in one process (same seed, data and optimizer).",
+        formatter_class=_DefaultsHelp,
     )
-    p.add_argument("--schedule", default="zbv", choices=sorted(SCHEDULES))
+    p.add_argument("--schedule", default="zbv", choices=sorted(SCHEDULES), help="pipeline schedule")
     p.add_argument("--lib", default="zbpipe", choices=LIBRARIES,
                    help="pipeline library: zbpipe, or torch.distributed.pipelining for comparison")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
     p.add_argument("--stages-per-rank", type=int, default=None,
                    help="loop-style multi-stage schedules only (default: the schedule's own)")
-    p.add_argument("--microbatches", type=int, default=8)
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
     p.add_argument("--batch-size", type=int, default=32, help="sequences per step (whole batch)")
-    p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--steps", type=int, default=300, help="training steps")
+    p.add_argument("--seed", type=int, default=0, help="model, data and init seed")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (Gloo) or cuda (NCCL)")
     p.add_argument("--layers", type=int, default=None, help="transformer blocks (default: max(4, stages))")
-    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"))
-    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="optimizer")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (SGD uses 10x)")
     p.add_argument("--log-every", type=int, default=None, help="progress interval (default: ~10 lines)")
     p.add_argument("--tol", type=float, default=1e-4,
                    help="max |pipelined - single| final loss, relative to max(1, |loss|)")
@@ -134,8 +144,8 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         p.error(str(e))
     if a.lib == "torch" and not spec_for(a.schedule).in_torch:
         p.error(f"--lib torch: torch.distributed.pipelining has no '{a.schedule}' schedule")
-    if a.pp < 1 or a.microbatches < 1 or a.steps < 1:
-        p.error("--pp, --microbatches and --steps must be >= 1")
+    if a.pp < 1 or a.microbatches < 1 or a.steps < 1 or a.batch_size < 1:
+        p.error("--pp, --microbatches, --steps and --batch-size must be >= 1")
     if a.batch_size % a.microbatches != 0:
         p.error(f"--batch-size ({a.batch_size}) must be divisible by --microbatches ({a.microbatches})")
     if a.trace and a.lib != "zbpipe":

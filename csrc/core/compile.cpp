@@ -16,6 +16,7 @@ Program lower(const Program& compute_only) {
 
 Program compile(const std::string& schedule, const BuildArgs& args) {
   const ScheduleInfo& info = find_schedule(schedule);
+  check_options(info, args);
   return lower(info.build(args));
 }
 

@@ -7,28 +7,37 @@
 
 namespace zbpipe {
 
+namespace {
+// Cost-driven builders search under the costs and a cap (and take the search mode); no builder
+// runs a full B, so b_full only matters to the simulator.
+const std::vector<std::string> kSearchOptions = {"f", "b", "w", "comm", "memory_cap",
+                                                 "exhaustive_search"};
+}  // namespace
+
 const std::vector<ScheduleInfo>& schedule_registry() {
   static const std::vector<ScheduleInfo> kRegistry = {
-      {"inference", "forward only, 1 stage per rank", build_inference},
-      {"gpipe", "all forwards, then all backwards, 1 stage per rank", build_gpipe},
-      {"1f1b", "one-forward-one-backward, 1 stage per rank", build_1f1b},
+      {"inference", "forward only, 1 stage per rank", build_inference, {}},
+      {"gpipe", "all forwards, then all backwards, 1 stage per rank", build_gpipe, {}},
+      {"1f1b", "one-forward-one-backward, 1 stage per rank", build_1f1b, {}},
       {"looped_bfs", "breadth-first: all forwards per local stage, loop topology, >= 1 stage per rank",
-       build_looped_bfs},
-      {"interleaved_1f1b", "Megatron interleaved 1F1B, loop topology, >= 2 stages per rank",
-       build_interleaved_1f1b},
-      {"interleaved_zb", "ZB1P: interleaved 1F1B with I/W split, loop topology, >= 2 stages per rank",
-       build_interleaved_zb},
+       build_looped_bfs, {}},
+      {"interleaved_1f1b", "Megatron interleaved 1F1B, loop topology, >= 1 stage per rank (default 2)",
+       build_interleaved_1f1b, {}},
+      {"interleaved_zb", "ZB1P: interleaved 1F1B with I/W split, loop topology, >= 1 stage per rank (default 2)",
+       build_interleaved_zb, {}},
       {"zb_h1", "ZB-H1: 1F1B memory, I/W split, about 1/3 of 1F1B's bubble, 1 stage per rank",
-       build_zb_h1},
+       build_zb_h1, {}},
       {"zb_h2", "ZB-H2: 2p-1 warm-up forwards, bubble-free when microbatches >= 2*pp-1, 1 stage per rank",
-       build_zb_h2},
-      {"zbv", "ZB-V: zero bubble on the V topology, I/W split, 2 stages per rank", build_zbv},
+       build_zb_h2, {}},
+      {"zbv", "ZB-V: zero bubble on the V topology, I/W split, 2 stages per rank", build_zbv, {}},
       {"dualpipev", "DeepSeek DualPipeV: overlapped F/B pairs, V topology, 2 stages per rank",
-       build_dualpipev},
+       build_dualpipev, {}},
       {"zb_auto", "Zero Bubble automatic: greedy search under the costs and a memory cap, 1 stage per rank",
-       build_zb_auto},
-      {"v_half", "V-Half: V shape, 2 stages per rank, ~1/2 of 1F1B's activations", build_v_half},
-      {"v_min", "V-Min: V shape, 2 stages per rank, ~1/3 of 1F1B's activations", build_v_min},
+       build_zb_auto, kSearchOptions},
+      {"v_half", "V-Half: V shape, 2 stages per rank, ~1/2 of 1F1B's activations", build_v_half,
+       kSearchOptions},
+      {"v_min", "V-Min: V shape, 2 stages per rank, ~1/3 of 1F1B's activations", build_v_min,
+       kSearchOptions},
   };
   return kRegistry;
 }
@@ -45,6 +54,29 @@ const ScheduleInfo& find_schedule(const std::string& name) {
   std::string valid;
   for (const auto& info : schedule_registry()) valid += (valid.empty() ? "" : ", ") + info.name;
   throw ScheduleError(detail::str("unknown schedule '", name, "' (valid: ", valid, ")"));
+}
+
+void check_options(const ScheduleInfo& info, const BuildArgs& a) {
+  auto has = [](const std::vector<std::string>& names, const std::string& name) {
+    return std::find(names.begin(), names.end(), name) != names.end();
+  };
+  auto is_cost = [](const std::string& option) {
+    return option == "f" || option == "b" || option == "w" || option == "b_full" || option == "comm";
+  };
+  for (const std::string& option : a.given) {
+    std::string valid;
+    for (const auto& name : kBuildOptions) valid += (valid.empty() ? "" : ", ") + name;
+    ZB_SCHEDULE_CHECK(has(kBuildOptions, option), "unknown compile option '", option,
+                      "' (valid: ", valid, ")");
+    if (has(info.options, option)) continue;
+    std::string takers;
+    for (const auto& other : schedule_registry())
+      if (has(other.options, option)) takers += (takers.empty() ? "" : ", ") + other.name;
+    ZB_SCHEDULE_CHECK(false, info.name, " does not use option '", option, "' (",
+                      takers.empty() ? std::string("no schedule builds with it")
+                                     : "only " + takers + " take it",
+                      is_cost(option) ? "; zbpipe.simulate takes costs" : "", ")");
+  }
 }
 
 void check_basic_args(const std::string& schedule, const BuildArgs& a) {

@@ -8,6 +8,7 @@
 #include <pybind11/stl.h>
 
 #include <fstream>
+#include <optional>
 #include <sstream>
 
 #include "zbpipe/builders.h"
@@ -85,6 +86,10 @@ void register_core(py::module_& m) {
       .def_readonly("kind", &Action::kind)
       .def_readonly("microbatch", &Action::microbatch)
       .def_readonly("sub_actions", &Action::sub)
+      // torch's _Action names, so callbacks written for torch read zbpipe actions unchanged.
+      .def_readonly("stage_index", &Action::stage)
+      .def_readonly("computation_type", &Action::kind)
+      .def_readonly("microbatch_index", &Action::microbatch)
       .def_property_readonly("is_compute", [](const Action& a) { return is_compute(a.kind); })
       .def("__str__", [](const Action& a) { return to_string(a); })
       .def("__repr__", [](const Action& a) { return to_string(a); })
@@ -139,20 +144,39 @@ void register_core(py::module_& m) {
     return out;
   });
   m.def("compile", [](const std::string& name, int pp, int microbatches, int stages_per_rank,
-                      std::vector<double> f, std::vector<double> b, std::vector<double> w,
-                      std::vector<double> b_full, double comm, int memory_cap) {
+                      std::optional<std::vector<double>> f, std::optional<std::vector<double>> b,
+                      std::optional<std::vector<double>> w,
+                      std::optional<std::vector<double>> b_full, std::optional<double> comm,
+                      std::optional<int> memory_cap, bool exhaustive_search) {
+          // An option left at None is not given: the schedule's default applies and no schedule
+          // refuses it (see check_options).
           BuildArgs args;
           args.pp = pp;
           args.microbatches = microbatches;
           args.stages_per_rank = stages_per_rank;
-          args.costs = make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm);
-          args.memory_cap = memory_cap;
+          auto take = [&](const char* option, auto& from, auto& to) {
+            if (!from) return;
+            to = std::move(*from);
+            args.given.emplace_back(option);
+          };
+          take("f", f, args.costs.f);
+          take("b", b, args.costs.b);
+          take("w", w, args.costs.w);
+          take("b_full", b_full, args.costs.b_full);
+          take("comm", comm, args.costs.comm);
+          take("memory_cap", memory_cap, args.memory_cap);
+          if (exhaustive_search) {
+            args.exhaustive_search = true;
+            args.given.emplace_back("exhaustive_search");
+          }
           py::gil_scoped_release nogil;
           return compile(name, args);
         }, py::arg("name"), py::arg("pp"), py::arg("microbatches"), py::arg("stages_per_rank") = 0,
-        py::arg("f") = std::vector<double>{1.0}, py::arg("b") = std::vector<double>{1.0},
-        py::arg("w") = std::vector<double>{1.0}, py::arg("b_full") = std::vector<double>{},
-        py::arg("comm") = 0.0, py::arg("memory_cap") = 0);
+        py::arg("f") = py::none(), py::arg("b") = py::none(), py::arg("w") = py::none(),
+        py::arg("b_full") = py::none(), py::arg("comm") = py::none(),
+        py::arg("memory_cap") = py::none(), py::arg("exhaustive_search") = false);
+  m.def("schedule_options", [](const std::string& name) { return find_schedule(name).options; },
+        py::arg("name"), "The compile options (costs, memory_cap) the schedule's builder uses.");
   m.def("build", [](const std::string& name, int pp, int microbatches, int stages_per_rank) {
           BuildArgs args;
           args.pp = pp;
@@ -214,20 +238,41 @@ std::vector<TensorSpec> specs_from_py(const py::handle& obj) {
   return out;
 }
 
-// Trampoline: each call re-acquires the GIL (the executor runs without it) and turns a Python
-// exception into a StageError carrying its formatted traceback.
+// Runs f() (with the GIL held) and turns a Python exception into a StageError carrying its
+// formatted traceback; `where` names the Python code that raised.
+template <typename F>
+auto guarded(F&& f, const char* where = "the stage") -> decltype(f()) {
+  try {
+    return f();
+  } catch (py::error_already_set& e) {
+    std::string text;
+    try {
+      auto lines = py::module_::import("traceback").attr("format_exception")(e.type(), e.value(), e.trace());
+      text = py::str("").attr("join")(lines).cast<std::string>();
+    } catch (...) {
+      text = e.what();
+    }
+    throw runtime::StageError(std::string("exception in ") + where + ":\n" + text);
+  } catch (py::cast_error& e) {
+    throw runtime::StageError(std::string(where) + " returned a value of the wrong type: " + e.what());
+  }
+}
+
+// Trampoline: each call re-acquires the GIL (the executor runs without it); Python exceptions
+// become StageErrors (guarded).
 class PyStage final : public runtime::StageHandle {
  public:
   explicit PyStage(py::object stage)
       : stage_(std::move(stage)),
         forward_(stage_.attr("_zb_forward")),
         weight_work_(stage_.attr("_zb_weight_work")),
+        weight_queued_(stage_.attr("_zb_weight_work_queued")),
         infer_(stage_.attr("_zb_infer_outputs")),
         queues_weight_(stage_.attr("_zb_queues_weight_work").cast<bool>()) {}
 
   ~PyStage() override {
     py::gil_scoped_acquire gil;
-    stage_ = forward_ = weight_work_ = infer_ = py::object();
+    stage_ = forward_ = weight_work_ = weight_queued_ = infer_ = py::object();
   }
 
   std::vector<at::Tensor> forward(int mb, const std::vector<at::Tensor>& inputs) override {
@@ -242,6 +287,13 @@ class PyStage final : public runtime::StageHandle {
       return 0;
     });
   }
+  void weight_work_queued(int mb) override {
+    py::gil_scoped_acquire gil;
+    guarded([&] {
+      weight_queued_(mb);
+      return 0;
+    });
+  }
   Signature infer_outputs(const Signature& in) override {
     py::gil_scoped_acquire gil;
     return guarded([&] {
@@ -251,26 +303,28 @@ class PyStage final : public runtime::StageHandle {
   }
 
  private:
-  template <typename F>
-  auto guarded(F&& f) -> decltype(f()) {
-    try {
-      return f();
-    } catch (py::error_already_set& e) {
-      std::string text;
-      try {
-        auto lines = py::module_::import("traceback").attr("format_exception")(e.type(), e.value(), e.trace());
-        text = py::str("").attr("join")(lines).cast<std::string>();
-      } catch (...) {
-        text = e.what();
-      }
-      throw runtime::StageError("exception in the stage:\n" + text);
-    } catch (py::cast_error& e) {
-      throw runtime::StageError(std::string("stage returned a value of the wrong type: ") + e.what());
-    }
+  py::object stage_, forward_, weight_work_, weight_queued_, infer_;
+  bool queues_weight_;
+};
+
+// register_custom_function's handler: a Python callable fn(action), called with the GIL.
+class PyCustomActions final : public runtime::CustomActions {
+ public:
+  explicit PyCustomActions(py::object fn) : fn_(std::move(fn)) {}
+  ~PyCustomActions() override {
+    py::gil_scoped_acquire gil;
+    fn_ = py::object();
+  }
+  void run(const Action& action) override {
+    py::gil_scoped_acquire gil;
+    guarded([&] {
+      fn_(action);
+      return 0;
+    }, "the custom function");
   }
 
-  py::object stage_, forward_, weight_work_, infer_;
-  bool queues_weight_;
+ private:
+  py::object fn_;
 };
 
 py::dict trace_record_to_py(const runtime::TraceRecord& r) {
@@ -311,6 +365,13 @@ void register_runtime(py::module_& m) {
            py::call_guard<py::gil_scoped_release>(),
            "Runs one step of the program; each microbatch loss backpropagates `loss_scale` (the GIL "
            "is released; stage calls re-acquire it).")
+      .def("set_custom_actions", [](runtime::Executor& e, py::object fn, const std::vector<Kind>& kinds) {
+             e.set_custom_actions(fn.is_none() ? nullptr : std::make_shared<PyCustomActions>(std::move(fn)), kinds);
+           }, py::arg("fn"), py::arg("kinds"),
+           "Actions of `kinds` run through fn(action) from the next step on (see CustomActions).")
+      .def("run_part", &runtime::Executor::run_part, py::arg("part"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Inside a custom function: runs a part of the current action with the built-in computation.")
       .def_property_readonly("rank", &runtime::Executor::rank)
       .def_property_readonly("program", &runtime::Executor::program)
       .def("set_timeout", [](runtime::Executor& e, double s) {

@@ -86,6 +86,7 @@ void Executor::build_dispatch() {
     e.stage = a.stage;
     e.local = local(a.stage, a);
     e.mb = a.microbatch;
+    e.kind = a.kind;
     ZB_CHECK(e.mb >= 0 && e.mb < m, "action '", to_string(a), "' has microbatch out of range");
     switch (a.kind) {
       case Kind::F:
@@ -318,6 +319,7 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
       std::vector<at::Tensor> in_grads;
       if (e.op == Op::BackwardFull || queues_weight_[e.local]) {
         in_grads = backward_full(roots, root_grads, inputs);
+        if (queues_weight_[e.local]) stage.weight_work_queued(e.mb);
         if (e.op == Op::BackwardFull && queues_weight_[e.local]) stage.run_weight_work(e.mb);
       } else {
         in_grads = backward_input(roots, root_grads, inputs, sl.weight, &split_plans_[e.local]);
@@ -382,6 +384,10 @@ void Executor::run(double loss_scale) {
   }
   for (size_t i = 0; i < entries_.size(); ++i) {
     const Entry& e = entries_[i];
+    if (e.op != Op::Comm && is_custom(program_.ranks[rank_][e.index].kind)) {
+      i = run_custom(i);
+      continue;
+    }
     TraceRecord& rec = trace_[i];
     rec.wait_ns = 0;
     rec.host_start_ns = now_ns();
@@ -404,6 +410,67 @@ void Executor::run(double loss_scale) {
   pending_sends_.clear();
   slots_.assign(slots_.size(), Slot{});  // every batch completed: drop the step's tensors
   timer_->collect(trace_);
+}
+
+void Executor::set_custom_actions(std::shared_ptr<CustomActions> handler, const std::vector<Kind>& kinds) {
+  uint32_t mask = 0;
+  for (Kind k : kinds) {
+    ZB_CHECK(is_compute(k), "custom functions replace compute actions only, got kind ",
+             static_cast<int>(k));
+    mask |= 1u << static_cast<int>(k);
+  }
+  custom_ = mask ? std::move(handler) : nullptr;
+  custom_kinds_ = custom_ ? mask : 0;
+}
+
+size_t Executor::run_custom(size_t first) {
+  const int index = entries_[first].index;
+  size_t end = first;
+  while (end < entries_.size() && entries_[end].op != Op::Comm && entries_[end].index == index) ++end;
+  const Action& action = program_.ranks[rank_][index];
+  part_begin_ = first;
+  part_end_ = end;
+  part_done_.assign(end - first, 0);
+  try {
+    custom_->run(action);
+    for (size_t j = first; j < end; ++j) {
+      if (part_done_[j - first]) continue;
+      const Entry& e = entries_[j];
+      throw Error(detail::str("the custom function for '", to_string(action),
+                              "' returned without running its part '",
+                              to_string(Action(e.stage, e.kind, e.mb)),
+                              "' (it must call ctx.run(part) once for every part)"));
+    }
+  } catch (const std::exception& ex) {
+    part_begin_ = part_end_ = 0;
+    abandon_in_flight();
+    fail(index, ex.what());
+  }
+  part_begin_ = part_end_ = 0;
+  return end - 1;
+}
+
+void Executor::run_part(const Action& part) {
+  ZB_CHECK(part_end_ > part_begin_, "run_part('", to_string(part),
+           "') called outside a custom function of a running step");
+  for (size_t j = part_begin_; j < part_end_; ++j) {
+    const Entry& e = entries_[j];
+    if (e.kind != part.kind || e.stage != part.stage || e.mb != part.microbatch) continue;
+    ZB_CHECK(!part_done_[j - part_begin_], "'", to_string(part),
+             "' already ran in this custom function");
+    TraceRecord& rec = trace_[j];
+    rec.wait_ns = 0;
+    rec.host_start_ns = now_ns();
+    timer_->mark(j, false);
+    run_entry(e, rec);
+    timer_->mark(j, true);
+    rec.host_end_ns = now_ns();
+    part_done_[j - part_begin_] = 1;
+    return;
+  }
+  throw Error(detail::str("'", to_string(part), "' is not a part of the action '",
+                          to_string(program_.ranks[rank_][entries_[part_begin_].index]),
+                          "' this custom function runs"));
 }
 
 }  // namespace zbpipe::runtime

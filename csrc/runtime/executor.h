@@ -30,6 +30,17 @@ struct ExecutorOptions {
   bool prepost_receives = true;
 };
 
+// A user function replacing how the actions of some kinds run (Python's
+// register_custom_function). The executor calls run(action) once per such action instead of
+// its built-in computation; run must execute every compute part of the action (the action
+// itself, or each sub-action of an OVERLAP_F_B) exactly once through Executor::run_part, in any
+// order, and may do other work around them. Called without the Python GIL.
+class CustomActions {
+ public:
+  virtual ~CustomActions() = default;
+  virtual void run(const Action& action) = 0;
+};
+
 class Executor {
  public:
   // `stages`: this rank's stages, keyed by global stage index (exactly prog.stages_of(rank)).
@@ -51,6 +62,13 @@ class Executor {
   // Agreed signatures of a local stage (after the first run).
   const StageSignatures& signatures(int stage) const;
 
+  // Actions of `kinds` (compute kinds) run through `handler` from the next step on; an empty
+  // list or a null handler restores the built-in computation. Call between steps.
+  void set_custom_actions(std::shared_ptr<CustomActions> handler, const std::vector<Kind>& kinds);
+  // From inside CustomActions::run only: runs `part`, the action being run or one of its
+  // sub-actions, with the built-in computation (waiting on its receives, handing its result on).
+  void run_part(const Action& part);
+
  private:
   enum class Op : uint8_t { Forward, BackwardInput, BackwardWeight, BackwardFull, Comm };
   // One dispatch entry, precomputed from the program.
@@ -60,6 +78,7 @@ class Executor {
     int stage = -1;
     int local = -1;    // index into stages_ / per-stage tables
     int mb = -1;
+    Kind kind = Kind::F;      // compute: the action's kind (F, B, I or W)
     bool needs_recv = false;  // input comes from another rank: wait its receive first
     int handoff = -1;         // local index of the same-rank neighbour receiving the result
     bool to_send = false;     // result is sent later by a SEND action
@@ -81,6 +100,10 @@ class Executor {
 
   void build_dispatch();
   void run_entry(const Entry& e, TraceRecord& rec);
+  // Runs the action of entries_[first] (all its entries) through custom_; returns the index
+  // of its last entry.
+  size_t run_custom(size_t first);
+  bool is_custom(Kind k) const { return custom_ && (custom_kinds_ >> static_cast<int>(k) & 1u); }
   // Posts the sends of a comm entry and, unless they were preposted, its receives.
   void post_comm(const Entry& e);
   // Allocates the slot's buffers for receive action `k` and appends its receive ops.
@@ -118,6 +141,10 @@ class Executor {
   std::vector<std::shared_ptr<Batch>> pending_sends_;
   std::vector<TraceRecord> trace_;
   std::unique_ptr<DeviceTimer> timer_;
+  std::shared_ptr<CustomActions> custom_;  // register_custom_function's handler, or null
+  uint32_t custom_kinds_ = 0;              // bit k: Kind k runs through custom_
+  size_t part_begin_ = 0, part_end_ = 0;   // entries of the custom action running now
+  std::vector<uint8_t> part_done_;         // per entry in [part_begin_, part_end_): ran
   bool prepost_ = false; // receives are posted at step start (see ExecutorOptions)
   bool ready_ = false;   // handshake done
   bool broken_ = false;  // a step failed

@@ -52,6 +52,9 @@ class StageHandle {
   virtual bool queues_weight_work() const { return false; }
   // Runs the weight-gradient work queued by microbatch `mb`'s backward.
   virtual void run_weight_work(int /*mb*/) {}
+  // Called right after microbatch `mb`'s backward (B or I) on a stage that queues weight work,
+  // before its run_weight_work: the moment torch's dw_builder builds the runner W will call.
+  virtual void weight_work_queued(int /*mb*/) {}
 
   // Shape inference for the one-time pipeline handshake: given the signature arriving from
   // the previous stage (empty structure on stage 0), returns this stage's output signature.

@@ -34,6 +34,9 @@ SCHEDULES: dict[str, ScheduleSpec] = {
     "zb_h2": ScheduleSpec("ZBH2", 1, "loop", False),
     "zbv": ScheduleSpec("ZBVZeroBubble", 2, "v", True),
     "dualpipev": ScheduleSpec("DualPipeV", 2, "v", True),
+    "zb_auto": ScheduleSpec("ZBAuto", 1, "loop", False),  # at the compiler's default unit costs
+    "v_half": ScheduleSpec("VHalf", 2, "v", False),
+    "v_min": ScheduleSpec("VMin", 2, "v", False),
 }
 
 LIBRARIES = ("zbpipe", "torch")

@@ -4,18 +4,51 @@
 // stage's F (plus `comm` across ranks), an I needs its own F and the next stage's I (plus
 // `comm`), a W needs its own I. Decisions are taken in global time order: the rank whose next
 // action starts earliest commits it, so every input that can be ready at that moment is known.
+//
+// A rank's proposal (run this now, or wait until then) depends only on its own state and on the
+// end times of the actions feeding its next F and I, so it is recomputed only when one of those
+// changes: after the rank acts or wakes, and after a neighbour ends an action it consumes. A
+// tournament tree over the ranks' proposals finds the next one; a run is O(actions * log pp).
+//
+// Alongside, each committed action is timed the way zbpipe::simulate would time the finished
+// program (it starts when its rank's previous action ends and its inputs are there, which can be
+// earlier than the scheduler's clock after a deliberate wait), so the run returns the simulator's
+// numbers without a second pass.
 #include "list_scheduler.h"
 
 #include <algorithm>
-#include <cmath>
-#include <deque>
-#include <tuple>
 #include <utility>
 
 #include "zbpipe/error.h"
-#include "zbpipe/simulator.h"
 
 namespace zbpipe::detail {
+
+int PolicyGrid::size(Knob k) const {
+  switch (k) {
+    case kWarmup: return static_cast<int>(warmups.size());
+    case kOrder: return static_cast<int>(orders.size());
+    case kFill: return static_cast<int>(fills.size());
+    case kAvoid: return static_cast<int>(avoids.size());
+    case kRecycle: return static_cast<int>(recycles.size());
+    default: return static_cast<int>(deeps.size());
+  }
+}
+
+PolicySet PolicySet::all(const PolicyGrid& g) {
+  PolicySet s;
+  for (int k = 0; k < kNumKnobs; ++k) {
+    const int n = g.size(static_cast<Knob>(k));
+    ZB_CHECK(n >= 1 && n <= 32, "search knob ", k, " needs 1 to 32 values, got ", n);
+    s.bits[k] = n == 32 ? ~0u : (1u << n) - 1;
+  }
+  return s;
+}
+
+bool PolicySet::contains(const PolicyIndex& at) const {
+  for (int k = 0; k < kNumKnobs; ++k)
+    if (!(bits[k] >> at[k] & 1u)) return false;
+  return true;
+}
 
 namespace {
 
@@ -37,152 +70,261 @@ struct Proposal {
   double time = kNever;
 };
 
+// The rank whose proposal comes first: earliest time, an action before a wake-up at the same
+// time, then the lower rank (the order the scheduler has always used). A tournament tree with
+// the keys in its nodes: an update walks one leaf-to-root path and stops where nothing changed.
+class ProposalTree {
+ public:
+  explicit ProposalTree(int ranks) {
+    while (leaves_ < ranks) leaves_ *= 2;
+    node_.assign(2 * leaves_, {kNever, std::numeric_limits<int>::max()});
+  }
+  void update(int r, const Proposal& pr) {
+    size_t i = leaves_ + r;
+    node_[i] = {pr.time, pr.act ? r : leaves_ + r};
+    for (i /= 2; i >= 1; i /= 2) {
+      const Key& a = node_[2 * i];
+      const Key& b = node_[2 * i + 1];
+      const Key& win = a.before(b) ? a : b;
+      if (win.time == node_[i].time && win.order == node_[i].order) break;
+      node_[i] = win;
+    }
+  }
+  // The first rank, or -1 when no rank has anything to do.
+  int top() const {
+    const Key& k = node_[1];
+    if (k.time == kNever) return -1;
+    return k.order >= leaves_ ? k.order - leaves_ : k.order;
+  }
+
+ private:
+  struct Key {
+    double time;
+    int order;  // r for an action, leaves_ + r for a wake-up
+    bool before(const Key& o) const { return time < o.time || (time == o.time && order < o.order); }
+  };
+  int leaves_ = 1;
+  std::vector<Key> node_;  // heap layout: node_[leaves_ + r] is rank r's proposal
+};
+
 class ListScheduler {
  public:
   ListScheduler(Program& p, const CostModel& costs, const std::vector<int>& cap,
-                const std::vector<int>& warmup, const ListPolicy& policy)
-      : p_(p), c_(costs), cap_(cap), warmup_(warmup), pol_(policy), m_(p.microbatches),
-        last_stage_(p.num_stages - 1),
-        end_f_(static_cast<size_t>(p.num_stages) * m_, kNever),
-        end_i_(static_cast<size_t>(p.num_stages) * m_, kNever),
-        next_f_(p.num_stages, 0), next_i_(p.num_stages, 0), ranks_(p.pp) {
+                const PolicyGrid& grid, const PolicyIndex& at, PolicySet* cell)
+      : p_(p), cap_(cap), grid_(grid), at_(at), cell_(cell), warmup_(grid.warmups[at[kWarmup]]),
+        m_(p.microbatches), ns_(p.num_stages), last_stage_(p.num_stages - 1), comm_(costs.comm),
+        end_f_(static_cast<size_t>(ns_) * m_, kNever), end_i_(end_f_),
+        sim_f_(end_f_.size(), 0.0), sim_i_(end_f_.size(), 0.0),
+        next_f_(ns_, 0), next_i_(ns_, 0), done_w_(ns_, 0), f_ready_(ns_, kNever),
+        i_ready_(ns_, kNever), ranks_(p.pp), props_(p.pp),
+        dirty_flag_(p.pp, 0) {
+    pol_.order = grid.orders[at[kOrder]];
+    pol_.fill_ratio = grid.fills[at[kFill]];
+    pol_.avoid_delaying_backward = grid.avoids[at[kAvoid]];
+    pol_.recycle_first = grid.recycles[at[kRecycle]];
+    pol_.deep_first = grid.deeps[at[kDeep]];
+    for (int s = 0; s < ns_; ++s) {
+      f_.push_back(costs.forward(s));
+      b_.push_back(costs.backward_input(s));
+      w_.push_back(costs.backward_weight(s));
+    }
+    if (m_ > 0) f_ready_[0] = 0.0;
     for (int r = 0; r < p.pp; ++r) {
-      ranks_[r].stages = p.stages_of(r);
-      ranks_[r].left_fi = 2 * m_ * static_cast<int>(ranks_[r].stages.size());
-      const int spr = static_cast<int>(ranks_[r].stages.size());
-      ZB_CHECK(spr <= 2, "the list scheduler handles 1 or 2 stages per rank, got ", spr);
-      ZB_CHECK(cap[r] >= spr, "rank ", r, " cap ", cap[r], " below its stage count");
+      RankState& rk = ranks_[r];
+      for (int s : p.stages_of(r)) {
+        ZB_CHECK(rk.nstages < 2, "the list scheduler handles 1 or 2 stages per rank");
+        rk.stage[rk.nstages++] = s;
+      }
+      ZB_CHECK(rk.nstages >= 1, "rank ", r, " holds no stage");
+      ZB_CHECK(cap[r] >= rk.nstages, "rank ", r, " cap ", cap[r], " below its stage count");
+      ZB_CHECK(static_cast<int>(warmup_.size()) == p.pp, "one warm-up value per rank");
+      rk.left_fi = 2 * m_ * rk.nstages;
+      for (int k = 0; k < rk.nstages; ++k)
+        rk.left_work += m_ * (f_[rk.stage[k]] + b_[rk.stage[k]] + w_[rk.stage[k]]);
+      rk.pending_w.reserve(static_cast<size_t>(m_) * rk.nstages);
+      p.ranks[r].clear();
+      p.ranks[r].reserve(static_cast<size_t>(3) * m_ * rk.nstages);
     }
   }
 
-  void run() {
+  ListRunResult run(double bound) {
     int left = 0;
     for (const auto& rk : ranks_) left += rk.left_fi + rk.left_fi / 2;  // F + I + W
+    for (int r = 0; r < p_.pp; ++r) mark_dirty(r);
+    ProposalTree tree(p_.pp);
     while (left > 0) {
-      int act_r = -1, wait_r = -1;
-      Proposal act, wait;
-      for (int r = 0; r < p_.pp; ++r) {
-        Proposal pr = propose(r);
-        if (pr.act && (act_r < 0 || pr.time < act.time)) act = pr, act_r = r;
-        if (!pr.act && pr.time < wait.time) wait = pr, wait_r = r;
+      for (int r : dirty_) {
+        props_[r] = propose(r);
+        dirty_flag_[r] = 0;
+        tree.update(r, props_[r]);
       }
-      if (wait_r >= 0 && (act_r < 0 || wait.time < act.time)) {
-        ranks_[wait_r].clock = wait.time;  // idle until its next input arrives
+      dirty_.clear();
+      const int r = tree.top();
+      ZB_CHECK(r >= 0, "list scheduler stalled on '", p_.schedule, "' with ", left,
+               " actions left");
+      if (!props_[r].act) {
+        ranks_[r].clock = props_[r].time;  // idle until its next input arrives
+        mark_dirty(r);
         continue;
       }
-      ZB_CHECK(act_r >= 0, "list scheduler stalled on '", p_.schedule, "' with ", left,
-               " actions left");
-      apply(act_r, act.choice);
+      apply(r, props_[r].choice);
       --left;
+      // Its clock plus the compute it still owes bounds the rank's last end from below (the
+      // running sum drifts by float noise only, far below the bound's margin).
+      if (ranks_[r].sim_clock + ranks_[r].left_work > bound) return {};
     }
+    return result();
   }
 
  private:
   struct RankState {
-    std::vector<int> stages;          // local stages, ascending (= the order a microbatch visits)
+    std::array<int, 2> stage{};       // local stages, ascending (= the order a microbatch visits)
+    int nstages = 0;
     double clock = 0.0;               // when the rank is next free
     int live = 0;                     // activations held (F started, W not done)
     bool backward_started = false;    // warm-up ends at the first I
     Kind last = Kind::W;              // last F or I run, for Order::kAlternate
-    std::deque<std::pair<int, int>> pending_w;  // (stage, mb) whose I ran, FIFO
+    std::vector<std::pair<int, int>> pending_w;  // (stage, mb) whose I ran, FIFO from w_head
+    size_t w_head = 0;
     int left_fi = 0;                  // F and I actions not yet run
+    double left_work = 0.0;           // compute time of the actions not yet run
+    // The simulator's view of the program so far.
+    double sim_clock = 0.0, first_start = -1.0, busy = 0.0;
+    int peak = 0;
+
+    bool has_w() const { return w_head < pending_w.size(); }
   };
 
   size_t idx(int s, int mb) const { return static_cast<size_t>(s) * m_ + mb; }
+  bool same_rank(int a, int b) const { return p_.stage_to_rank[a] == p_.stage_to_rank[b]; }
   double arrive(int from, double t, int to) const {
     if (t == kNever) return kNever;
-    return p_.rank_of(from) == p_.rank_of(to) ? t : t + c_.comm;
+    return same_rank(from, to) ? t : t + comm_;
   }
   double cost(const Choice& ch) const {
     switch (ch.kind) {
-      case Kind::F: return c_.forward(ch.stage);
-      case Kind::I: return c_.backward_input(ch.stage);
-      default: return c_.backward_weight(ch.stage);
+      case Kind::F: return f_[ch.stage];
+      case Kind::I: return b_[ch.stage];
+      default: return w_[ch.stage];
     }
   }
-  int spr(int r) const { return static_cast<int>(ranks_[r].stages.size()); }
-  bool admits(int r, int s) const { return s == ranks_[r].stages.front(); }
+  bool admits(const RankState& rk, int s) const { return s == rk.stage[0]; }
 
-  // Stages in the order forwards are preferred on ties.
-  std::vector<int> forward_order(int r) const {
-    std::vector<int> order = ranks_[r].stages;
-    if (pol_.deep_first) std::reverse(order.begin(), order.end());
-    return order;
+  void mark_dirty(int r) {
+    if (dirty_flag_[r]) return;
+    dirty_flag_[r] = 1;
+    dirty_.push_back(r);
+  }
+
+  // Keeps in the cell only the values of knob `k` for which `same(i)` holds, i.e. those that
+  // would have taken the decision the run's own value took.
+  template <typename Same>
+  void narrow(Knob k, Same same) const {
+    if (cell_ == nullptr) return;
+    uint32_t& bits = cell_->bits[k];
+    if ((bits & (bits - 1)) == 0) return;  // one value left
+    uint32_t keep = 0;
+    for (uint32_t rest = bits; rest != 0; rest &= rest - 1) {
+      const int i = __builtin_ctz(rest);
+      if (same(i)) keep |= 1u << i;
+    }
+    bits = keep;
+  }
+  void narrow_to_own(Knob k) const {
+    narrow(k, [&](int i) { return i == at_[k]; });
   }
 
   // The earliest-ready forward this rank may start under its memory limits; `held` gets the
   // earliest ready time of a forward that only the memory limits hold back.
   Choice next_forward(int r, double& held) const {
     const RankState& rk = ranks_[r];
-    Choice best;
+    Choice fit[2];
+    int nfit = 0;
     held = kNever;
-    for (int s : forward_order(r)) {
-      const int mb = next_f_[s];
+    for (int k = 0; k < rk.nstages; ++k) {
+      const int s = rk.stage[k], mb = next_f_[s];
       if (mb >= m_) continue;
-      const double ready = s == 0 ? 0.0 : arrive(s - 1, end_f_[idx(s - 1, mb)], s);
+      const double ready = f_ready_[s];
       // Entering: room for this F and the later-stage F some admitted microbatch still owes.
-      const int need = rk.live + (admits(r, s) ? spr(r) : 1);
-      const bool fits = need <= cap_[r] &&
-                        (!admits(r, s) || rk.backward_started || need <= warmup_[r]);
+      const bool entering = admits(rk, s);
+      const int need = rk.live + (entering ? rk.nstages : 1);
+      bool fits = need <= cap_[r];
+      if (fits && entering && !rk.backward_started) {
+        fits = need <= warmup_[r];
+        narrow(kWarmup, [&](int i) { return (need <= grid_.warmups[i][r]) == fits; });
+      }
       if (!fits) {
         held = std::min(held, ready);
         continue;
       }
-      if (ready < best.ready) best = {Kind::F, s, mb, ready};
+      if (ready < kNever) fit[nfit++] = {Kind::F, s, mb, ready};
     }
-    return best;
+    if (nfit == 0) return {};
+    if (nfit == 1) return fit[0];
+    if (fit[0].ready != fit[1].ready) return fit[0].ready < fit[1].ready ? fit[0] : fit[1];
+    narrow_to_own(kDeep);  // a tie: the depth-first knob decides
+    return pol_.deep_first ? fit[1] : fit[0];
   }
 
   // The earliest-ready backward-input; ties go to the later stage (it feeds the earlier one).
   Choice next_backward(int r) const {
+    const RankState& rk = ranks_[r];
     Choice best;
-    const auto& stages = ranks_[r].stages;
-    for (auto it = stages.rbegin(); it != stages.rend(); ++it) {
-      const int s = *it, mb = next_i_[s];
-      if (mb >= m_ || mb >= next_f_[s]) continue;
-      const double own = end_f_[idx(s, mb)];
-      const double ready =
-          s == last_stage_ ? own : std::max(own, arrive(s + 1, end_i_[idx(s + 1, mb)], s));
-      if (ready < best.ready) best = {Kind::I, s, mb, ready};
+    for (int k = rk.nstages - 1; k >= 0; --k) {
+      const int s = rk.stage[k];
+      if (i_ready_[s] < best.ready) best = {Kind::I, s, next_i_[s], i_ready_[s]};
     }
     return best;
   }
 
-  Proposal run_now(const Choice& ch, double t) const { return {true, ch, t}; }
   Proposal run_w(int r) const {
-    const auto& [s, mb] = ranks_[r].pending_w.front();
-    return {true, {Kind::W, s, mb, ranks_[r].clock}, ranks_[r].clock};
+    const RankState& rk = ranks_[r];
+    const auto& [s, mb] = rk.pending_w[rk.w_head];
+    return {true, {Kind::W, s, mb, rk.clock}, rk.clock};
   }
 
   Proposal propose(int r) const {
     const RankState& rk = ranks_[r];
     const double t = rk.clock;
-    const bool has_w = !rk.pending_w.empty();
+    const bool has_w = rk.has_w();
     if (rk.left_fi == 0) return has_w ? run_w(r) : Proposal{};
     double held = kNever;
     const Choice f = next_forward(r, held), b = next_backward(r);
     const bool f_now = f.ready <= t + kEps, b_now = b.ready <= t + kEps;
-    const double tw = has_w ? c_.backward_weight(rk.pending_w.front().first) : 0.0;
+    const double tw = has_w ? w_[rk.pending_w[rk.w_head].first] : 0.0;
     auto fill_fits = [&](double gap) {
-      return has_w && pol_.fill_ratio >= 0.0 && gap + kEps >= pol_.fill_ratio * tw;
+      if (!has_w) return false;
+      auto fits = [&](double ratio) { return ratio >= 0.0 && gap + kEps >= ratio * tw; };
+      const bool own = fits(pol_.fill_ratio);
+      narrow(kFill, [&](int i) { return fits(grid_.fills[i]) == own; });
+      return own;
     };
-    // A forward waits only for memory: free it before anything else (1F1B's B = I + W).
-    if (pol_.recycle_first && has_w && held <= t + kEps) return run_w(r);
-    if (f_now && b_now) {
-      switch (pol_.order) {
-        case ListPolicy::Order::kBackwardFirst: return run_now(b, t);
-        case ListPolicy::Order::kForwardFirst: return run_now(f, t);
-        case ListPolicy::Order::kAlternate: return run_now(rk.last == Kind::I ? f : b, t);
-      }
+    // A forward waits only for memory: free it before anything else (1F1B's B = I + W). Without
+    // a ready F or I the rank recycles anyway (below), so only then does the knob decide.
+    if (has_w && held <= t + kEps && (f_now || b_now)) {
+      narrow_to_own(kRecycle);
+      if (pol_.recycle_first) return run_w(r);
     }
-    if (b_now) return run_now(b, t);
+    if (f_now && b_now) {
+      auto pick_f = [&](ListPolicy::Order o) {
+        return o == ListPolicy::Order::kForwardFirst ||
+               (o == ListPolicy::Order::kAlternate && rk.last == Kind::I);
+      };
+      const bool own = pick_f(pol_.order);
+      narrow(kOrder, [&](int i) { return pick_f(grid_.orders[i]) == own; });
+      return {true, own ? f : b, t};
+    }
+    if (b_now) return {true, b, t};
     if (f_now) {
       // An F ending after the backward's input lands would delay that backward.
-      if (pol_.avoid_delaying_backward && b.ready < t + c_.forward(f.stage) - kEps) {
-        if (fill_fits(b.ready - t)) return run_w(r);
-        return {false, {}, b.ready};
+      if (b.ready < t + f_[f.stage] - kEps) {
+        narrow_to_own(kAvoid);
+        if (pol_.avoid_delaying_backward) {
+          if (fill_fits(b.ready - t)) return run_w(r);
+          return {false, {}, b.ready};
+        }
       }
-      return run_now(f, t);
+      return {true, f, t};
     }
     if (held <= t + kEps && has_w) return run_w(r);  // recycle memory for a waiting forward
     // Wake up when an input lands, or when a held-back forward could run after a W.
@@ -194,136 +336,147 @@ class ListScheduler {
     return {false, {}, next};
   }
 
+  // When the next F / I of stage s has its inputs (kNever: not known yet, or none left); kept
+  // up to date by apply() whenever an end time they read is set.
+  double forward_ready(int s) const {
+    const int mb = next_f_[s];
+    if (mb >= m_) return kNever;
+    return s == 0 ? 0.0 : arrive(s - 1, end_f_[idx(s - 1, mb)], s);
+  }
+  double backward_ready(int s) const {
+    const int mb = next_i_[s];
+    if (mb >= m_ || mb >= next_f_[s]) return kNever;
+    const double own = end_f_[idx(s, mb)];
+    return s == last_stage_ ? own : std::max(own, arrive(s + 1, end_i_[idx(s + 1, mb)], s));
+  }
+
+  // When the simulator would have the inputs of `ch` on its rank.
+  double sim_ready(const Choice& ch) const {
+    const int s = ch.stage, mb = ch.mb;
+    switch (ch.kind) {
+      case Kind::F: return s == 0 ? 0.0 : arrive(s - 1, sim_f_[idx(s - 1, mb)], s);
+      case Kind::I: {
+        const double own = sim_f_[idx(s, mb)];
+        return s == last_stage_ ? own : std::max(own, arrive(s + 1, sim_i_[idx(s + 1, mb)], s));
+      }
+      default: return sim_i_[idx(s, mb)];
+    }
+  }
+
   void apply(int r, const Choice& ch) {
     RankState& rk = ranks_[r];
-    const double end = rk.clock + cost(ch);
-    rk.clock = end;
+    const double duration = cost(ch);
+    rk.clock += duration;
+    const double start = std::max(rk.sim_clock, std::max(0.0, sim_ready(ch)));
+    const double finish = start + duration;
+    if (rk.first_start < 0.0) rk.first_start = start;
+    rk.sim_clock = finish;
+    rk.busy += duration;
+    rk.left_work -= duration;
+    mark_dirty(r);
     switch (ch.kind) {
-      case Kind::F:
-        end_f_[idx(ch.stage, ch.mb)] = end;
-        ++next_f_[ch.stage];
-        ++rk.live;
+      case Kind::F: {
+        const int s = ch.stage;
+        end_f_[idx(s, ch.mb)] = rk.clock;
+        sim_f_[idx(s, ch.mb)] = finish;
+        ++next_f_[s];
+        f_ready_[s] = forward_ready(s);
+        if (next_i_[s] == ch.mb) i_ready_[s] = backward_ready(s);  // its own F was missing
+        rk.peak = std::max(rk.peak, ++rk.live);
         --rk.left_fi;
         rk.last = Kind::F;
+        // The next stage's rank reads this end time only if it is waiting for this microbatch.
+        if (s < last_stage_ && next_f_[s + 1] == ch.mb) {
+          f_ready_[s + 1] = forward_ready(s + 1);
+          mark_dirty(p_.stage_to_rank[s + 1]);
+        }
         break;
-      case Kind::I:
-        end_i_[idx(ch.stage, ch.mb)] = end;
-        ++next_i_[ch.stage];
+      }
+      case Kind::I: {
+        const int s = ch.stage;
+        end_i_[idx(s, ch.mb)] = rk.clock;
+        sim_i_[idx(s, ch.mb)] = finish;
+        ++next_i_[s];
+        i_ready_[s] = backward_ready(s);
         rk.backward_started = true;
-        rk.pending_w.emplace_back(ch.stage, ch.mb);
+        rk.pending_w.emplace_back(s, ch.mb);
         --rk.left_fi;
         rk.last = Kind::I;
+        if (s > 0 && next_i_[s - 1] == ch.mb) {
+          i_ready_[s - 1] = backward_ready(s - 1);
+          mark_dirty(p_.stage_to_rank[s - 1]);
+        }
         break;
+      }
       default:
         --rk.live;
-        rk.pending_w.pop_front();
+        ++done_w_[ch.stage];
+        ++rk.w_head;
         break;
     }
     p_.ranks[r].emplace_back(ch.stage, ch.kind, ch.mb);
   }
 
+  // zbpipe::simulate's summary, from the same per-rank numbers in the same order.
+  ListRunResult result() const {
+    ListRunResult res;
+    res.complete = true;
+    double total_busy = 0.0;
+    for (const RankState& rk : ranks_) {
+      res.makespan = std::max(res.makespan, rk.sim_clock);
+      const double span = rk.first_start < 0.0 ? 0.0 : rk.sim_clock - rk.first_start;
+      res.max_span = std::max(res.max_span, span);
+      total_busy += rk.busy;
+      res.peak_activations.push_back(rk.peak);
+    }
+    res.bubble_rate = res.max_span > 0.0 ? 1.0 - total_busy / (p_.pp * res.max_span) : 0.0;
+    return res;
+  }
+
   Program& p_;
-  const CostModel& c_;
   const std::vector<int>& cap_;
+  const PolicyGrid& grid_;
+  const PolicyIndex at_;
+  PolicySet* const cell_;
   const std::vector<int>& warmup_;
-  const ListPolicy pol_;
-  const int m_, last_stage_;
-  std::vector<double> end_f_, end_i_;   // end time per (stage, mb); kNever = not run yet
+  ListPolicy pol_;
+  const int m_, ns_, last_stage_;
+  const double comm_;
+  std::vector<double> f_, b_, w_;       // per-stage costs
+  std::vector<double> end_f_, end_i_;   // scheduler's end time per (stage, mb); kNever = not run
+  std::vector<double> sim_f_, sim_i_;   // the simulator's end times of the same actions
   std::vector<int> next_f_, next_i_;    // per stage: next microbatch to run F / I on (in order)
+  std::vector<int> done_w_;             // per stage: W run so far
+  std::vector<double> f_ready_, i_ready_;  // per stage: forward_ready / backward_ready, cached
   std::vector<RankState> ranks_;
+  std::vector<Proposal> props_;         // each rank's current proposal
+  std::vector<int> dirty_;              // ranks whose proposal must be recomputed
+  std::vector<char> dirty_flag_;
 };
 
 }  // namespace
+
+ListRunResult run_list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
+                                const PolicyGrid& grid, const PolicyIndex& at, PolicySet* cell,
+                                double bound) {
+  ZB_CHECK(static_cast<int>(cap.size()) == p.pp, "cap needs one value per rank");
+  ZB_CHECK(static_cast<int>(p.ranks.size()) == p.pp, "program has ", p.ranks.size(),
+           " rank lists for pp=", p.pp);
+  for (int k = 0; k < kNumKnobs; ++k)
+    ZB_CHECK(at[k] >= 0 && at[k] < grid.size(static_cast<Knob>(k)), "grid index out of range");
+  ZB_CHECK(cell == nullptr || cell->contains(at), "the policy set must contain the run's policy");
+  return ListScheduler(p, costs, cap, grid, at, cell).run(bound);
+}
 
 void list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
                    const std::vector<int>& warmup, const ListPolicy& policy) {
-  ZB_CHECK(static_cast<int>(cap.size()) == p.pp && static_cast<int>(warmup.size()) == p.pp,
-           "cap/warmup need one value per rank");
-  for (auto& acts : p.ranks) acts.clear();
-  ListScheduler(p, costs, cap, warmup, policy).run();
-}
-
-namespace {
-
-// One scored candidate. Bubble rate is monotone in the longest span (total work is fixed), so
-// spans are compared; rounding keeps float noise from choosing between equal schedules.
-struct Scored {
-  Program program;
-  double makespan, max_span, bubble;
-  long memory;  // sum of per-rank peaks
-};
-
-double round9(double x) { return std::round(x * 1e9) / 1e9; }
-
-// How much worse than `ref` a candidate is on its worse metric (1 = no worse on either).
-double regret(const Scored& c, const Scored& ref) {
-  auto ratio = [](double x, double y) { return y > 0.0 ? x / y : (x > 0.0 ? kNever : 1.0); };
-  return std::max(ratio(c.makespan, ref.makespan), ratio(c.max_span, ref.max_span));
-}
-
-}  // namespace
-
-Program search_list_schedules(const Program& shell, const CostModel& costs,
-                              const std::vector<int>& cap,
-                              const std::vector<std::vector<int>>& warmups,
-                              const std::vector<Seed>& seeds) {
-  costs.check(shell.num_stages);
-  using Order = ListPolicy::Order;
-  std::vector<Scored> cands, refs;
-  int primary = -1;  // index into refs
-  auto score = [&](Program prog, bool is_seed, Seed::Role role) {
-    const SimResult res = simulate(prog, costs);
-    long mem = 0;
-    for (int r = 0; r < prog.pp; ++r) {
-      if (res.peak_activations[r] > cap[r]) {
-        ZB_CHECK(is_seed, "list scheduler broke the memory cap on rank ", r, ": ",
-                 res.peak_activations[r], " > ", cap[r]);
-        return;  // a seed that does not fit the cap is no reference
-      }
-      mem += res.peak_activations[r];
-    }
-    double span = *std::max_element(res.span.begin(), res.span.end());
-    Scored sc{std::move(prog), round9(res.makespan), round9(span), round9(res.bubble_rate), mem};
-    if (role == Seed::Role::kPrimary) primary = static_cast<int>(refs.size());
-    if (role != Seed::Role::kCandidate) refs.push_back(sc);
-    cands.push_back(std::move(sc));
-  };
-  for (const Seed& seed : seeds) score(seed.program, true, seed.role);
-  const bool multi = shell.num_stages > shell.pp;
-  for (const auto& warmup : warmups)
-    for (Order order : {Order::kBackwardFirst, Order::kForwardFirst, Order::kAlternate})
-      for (double fill : {0.0, 0.5, 1.0, -1.0})
-        for (bool avoid : {false, true})
-          for (bool recycle : {false, true})
-            for (bool deep : {true, false}) {
-              if (!deep && !multi) continue;  // the knob only matters with several stages per rank
-              Program cand = shell;
-              list_schedule(cand, costs, cap, warmup, {order, fill, avoid, recycle, deep});
-              score(std::move(cand), false, Seed::Role::kCandidate);
-            }
-  ZB_CHECK(!cands.empty(), "no candidate schedule for '", shell.schedule, "'");
-  auto worst = [&](const Scored& c) {
-    double w = 1.0;
-    for (const auto& ref : refs) w = std::max(w, round9(regret(c, ref)));
-    return w;
-  };
-  // Pool: those no worse than every reference; else those no worse than the primary; else all.
-  std::vector<size_t> pool;
-  for (size_t i = 0; i < cands.size(); ++i)
-    if (worst(cands[i]) <= 1.0) pool.push_back(i);
-  if (pool.empty() && primary >= 0)
-    for (size_t i = 0; i < cands.size(); ++i)
-      if (regret(cands[i], refs[primary]) <= 1.0) pool.push_back(i);
-  if (pool.empty())
-    for (size_t i = 0; i < cands.size(); ++i) pool.push_back(i);
-  auto key = [&](size_t i) {
-    const Scored& c = cands[i];
-    return std::make_tuple(worst(c), c.makespan, c.bubble, c.memory);
-  };
-  size_t best = pool.front();
-  for (size_t i : pool)
-    if (key(i) < key(best)) best = i;
-  return std::move(cands[best].program);
+  const PolicyGrid grid{{warmup},
+                        {policy.order},
+                        {policy.fill_ratio},
+                        {policy.avoid_delaying_backward},
+                        {policy.recycle_first},
+                        {policy.deep_first}};
+  run_list_schedule(p, costs, cap, grid, PolicyIndex{}, nullptr);
 }
 
 }  // namespace zbpipe::detail

@@ -3,6 +3,8 @@
 // picks its next F / I / W by a small policy, never exceeding a per-rank activation cap.
 #pragma once
 
+#include <array>
+#include <cstdint>
 #include <limits>
 #include <vector>
 
@@ -30,14 +32,58 @@ struct ListPolicy {
   bool deep_first = true;
 };
 
+// The knobs a search enumerates; the warm-up vector (see list_schedule) is one of them.
+enum Knob : int { kWarmup, kOrder, kFill, kAvoid, kRecycle, kDeep, kNumKnobs };
+
+// The values each knob takes in a search, in the order candidates are tried.
+struct PolicyGrid {
+  std::vector<std::vector<int>> warmups;  // one value per rank each
+  std::vector<ListPolicy::Order> orders;
+  std::vector<double> fills;
+  std::vector<bool> avoids, recycles, deeps;
+  int size(Knob k) const;
+  // The Zero Bubble heuristic's grid under the given warm-up vectors: every order, fill ratios
+  // {0, 1/2, 1, never}, both binary knobs, and depth-first only with several stages per rank.
+  static PolicyGrid standard(std::vector<std::vector<int>> warmups, bool several_stages_per_rank);
+};
+
+// One grid point: the index of each knob's value.
+using PolicyIndex = std::array<int, kNumKnobs>;
+
+// A product set of grid points: bit i of bits[k] stands for value i of knob k (<= 32 values).
+struct PolicySet {
+  std::array<uint32_t, kNumKnobs> bits{};
+  static PolicySet all(const PolicyGrid& g);
+  bool contains(const PolicyIndex& at) const;
+};
+
+// The simulator's numbers for the program a run built (zbpipe::simulate's arithmetic, in the
+// same order, so they are equal to the last bit), or complete=false when the run stopped early
+// because its makespan could no longer stay within the bound it was given.
+struct ListRunResult {
+  bool complete = false;
+  double makespan = 0.0, max_span = 0.0, bubble_rate = 0.0;
+  std::vector<int> peak_activations;  // per rank
+};
+
 // Activation accounting is the simulator's: one unit per (stage, microbatch) from F start to
 // W end; every rank stays within cap[r] units. With 2 stages per rank (V), a microbatch enters a
 // rank only if it leaves room for one more F: the later-stage F that the oldest admitted
 // microbatch still owes runs first (stages run F in microbatch order), that microbatch then needs
 // no more memory to finish its backward and W, so a full rank never deadlocks. 1 or 2 stages per
-// rank, cap[r] >= stages per rank. warmup[r] additionally bounds the units held before a
-// microbatch enters a rank that has not run its first backward yet (the warm-up depth). Fills
-// `p.ranks` (compute-only, I/W split); `p` comes with its topology and empty rank lists.
+// rank, cap[r] >= stages per rank. The warm-up vector additionally bounds, per rank, the units
+// held before a microbatch enters a rank that has not run its first backward yet (the warm-up
+// depth). Fills `p.ranks` (compute-only, I/W split); `p` comes with its topology.
+//
+// The run uses grid point `at`. When `cell` is given (it must contain `at`), every knob check
+// the run makes removes from it the values that would have decided differently, so afterwards
+// every policy left in `cell` builds exactly this program (or stops at the same point). The run
+// stops (complete=false) as soon as some rank's clock plus its remaining work exceeds `bound`.
+ListRunResult run_list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
+                                const PolicyGrid& grid, const PolicyIndex& at, PolicySet* cell,
+                                double bound = std::numeric_limits<double>::infinity());
+
+// One policy, one warm-up vector, no bound (a grid of one point).
 void list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
                    const std::vector<int>& warmup, const ListPolicy& policy);
 
@@ -46,19 +92,26 @@ struct Seed {
   enum class Role { kCandidate, kReference, kPrimary };
   Program program;
   Role role = Role::kCandidate;
+  bool must_fit = false;  // the builder guarantees it fits the cap: a breach is an internal error
 };
 
-// Runs list_schedule for every policy in the grid and every warm-up vector given, scores each
-// candidate with zbpipe::simulate and returns the best. Seeds that fit the cap (on the same
-// topology) are candidates too. The pick matches or beats, on both makespan and longest span
-// (bubble rate is monotone in it), every fitting reference if some candidate does; failing
-// that, the primary one (at most one; it is a candidate itself, so this always holds when it
-// fits). Within that pool: lowest worst ratio to any reference on either metric, then makespan,
-// bubble rate and total peak activations. Makespan and span can disagree (a schedule may end
+// Runs list_schedule for every point of the grid, scores each candidate with the simulator's
+// numbers and returns the best. Seeds that fit the cap (on the same topology) are candidates
+// too. The pick matches or beats, on both makespan and longest span (bubble rate is monotone in
+// it), every fitting reference if some candidate does; failing that, the primary one (at most
+// one; it is a candidate itself, so this always holds when it fits). Within that pool: lowest
+// worst ratio to any reference on either metric, then makespan, bubble rate and total peak
+// activations; among equals the first tried. Makespan and span can disagree (a schedule may end
 // later on the last rank yet keep every rank's span shorter), which is why both are compared.
+//
+// The pick is the one an exhaustive run of the grid would make, found with less work: grid
+// points whose runs consulted no knob value that tells them apart build one program and run
+// once; once some candidate matches every reference, a run stops as soon as it can no longer
+// reach that candidate's makespan; only the best candidate is kept. `exhaustive` runs every grid
+// point to the end and scores it with zbpipe::simulate instead (the reference the savings are
+// checked against).
 Program search_list_schedules(const Program& shell, const CostModel& costs,
-                              const std::vector<int>& cap,
-                              const std::vector<std::vector<int>>& warmups,
-                              const std::vector<Seed>& seeds);
+                              const std::vector<int>& cap, const PolicyGrid& grid,
+                              const std::vector<Seed>& seeds, bool exhaustive = false);
 
 }  // namespace zbpipe::detail

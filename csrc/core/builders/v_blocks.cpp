@@ -7,7 +7,6 @@
 
 #include "list_scheduler.h"
 #include "zbpipe/error.h"
-#include "zbpipe/simulator.h"
 
 namespace zbpipe::detail {
 
@@ -66,13 +65,12 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
   Program laid_out = shell;
   for (int r = 0; r < a.pp; ++r)
     laid_out.ranks[r] = lay_out_rank(blocks[r], r, 2 * a.pp - 1 - r, a.microbatches);
-  // The block's memory bound holds by construction; the simulator confirms it.
-  const SimResult res = simulate(laid_out, a.costs);
-  for (int r = 0; r < a.pp; ++r)
-    ZB_CHECK(res.peak_activations[r] <= cap_units, name, " block layout holds ",
-             res.peak_activations[r], " units on rank ", r, ", above its bound ", cap_units);
+  // The block's memory bound holds by construction; the search's simulation confirms it.
   const std::vector<int> cap(a.pp, cap_units);
-  Program best = search_list_schedules(shell, a.costs, cap, {cap}, {{std::move(laid_out), Seed::Role::kPrimary}});
+  std::vector<Seed> seeds;
+  seeds.push_back({std::move(laid_out), Seed::Role::kPrimary, /*must_fit=*/true});
+  Program best = search_list_schedules(shell, a.costs, cap, PolicyGrid::standard({cap}, true),
+                                       seeds, a.exhaustive_search);
   best.schedule = name;
   return best;
 }

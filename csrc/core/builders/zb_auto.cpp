@@ -1,7 +1,8 @@
 // zb_auto: the Zero Bubble paper's automatic scheduling (Qi et al. 2023, section 3.1) without
 // the ILP refinement. Given per-stage T_F, T_B (= I), T_W, T_comm and a per-rank activation cap
 // M_limit (in microbatches; default p, 1F1B's peak), a greedy list scheduler builds one
-// candidate per hyper-parameter setting and the simulator picks among them:
+// candidate per hyper-parameter setting and the simulator's numbers pick among them (the search
+// skips the work that cannot change the pick, see search_list_schedules):
 //   - warm-up depth: the units a rank may hold before its first I: M_limit, 1F1B's p-r, or
 //     ZB-H2's 2(p-r)-1 (each clipped to M_limit);
 //   - when a rank idles, fill the gap with a W if gap >= k * T_W, k in {0, 1/2, 1, never}
@@ -81,8 +82,9 @@ Program build_zb_auto(const BuildArgs& a) {
   }
   std::sort(warmups.begin(), warmups.end());
   warmups.erase(std::unique(warmups.begin(), warmups.end()), warmups.end());
-  Program best = detail::search_list_schedules(p, a.costs, std::vector<int>(a.pp, cap), warmups,
-                                               seed_programs(a, cap));
+  Program best = detail::search_list_schedules(p, a.costs, std::vector<int>(a.pp, cap),
+                                               detail::PolicyGrid::standard(warmups, false),
+                                               seed_programs(a, cap), a.exhaustive_search);
   best.schedule = "zb_auto";
   return best;
 }

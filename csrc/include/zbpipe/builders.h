@@ -15,16 +15,30 @@ struct BuildArgs {
   int pp = 0;
   int microbatches = 0;
   int stages_per_rank = 0;  // 0 = the schedule's default; rejected where the schedule fixes it
-  CostModel costs{};        // used by cost-driven builders (zb_auto); others ignore it
+  CostModel costs{};        // steers the cost-driven builders (zb_auto, v_half, v_min)
   int memory_cap = 0;       // activations per rank in microbatches; 0 = the schedule's default
+  // Cost-driven builders: run every point of the search grid to the end and score it with the
+  // simulator (no merging of points that build the same program, no bound, no scores from the
+  // scheduler's timing): the reference the fast search must agree with.
+  bool exhaustive_search = false;
+  // The options among kBuildOptions the caller set. compile() refuses one the schedule does not
+  // consult (ScheduleError naming the schedules that take it) instead of ignoring it.
+  std::vector<std::string> given;
 };
+
+// The options a caller may set beyond the sizes: the cost model's fields, the memory cap, and
+// the search mode of the cost-driven builders.
+inline const std::vector<std::string> kBuildOptions = {"f",    "b",          "w",
+                                                       "b_full", "comm",     "memory_cap",
+                                                       "exhaustive_search"};
 
 using Builder = std::function<Program(const BuildArgs&)>;
 
 struct ScheduleInfo {
   std::string name;
-  std::string summary;        // one line for CLI listings
+  std::string summary;               // one line for CLI listings
   Builder build;
+  std::vector<std::string> options;  // the kBuildOptions its builder consults
 };
 
 // Every builder, in a stable order.
@@ -32,6 +46,10 @@ const std::vector<ScheduleInfo>& schedule_registry();
 std::vector<std::string> schedule_names();
 // Throws ScheduleError listing the valid names when `name` is unknown.
 const ScheduleInfo& find_schedule(const std::string& name);
+
+// Throws ScheduleError for an option in `a.given` that `info`'s builder does not consult, naming
+// the schedules that do; compile() calls it before building.
+void check_options(const ScheduleInfo& info, const BuildArgs& a);
 
 // Shared helpers for builders.
 // Checks pp >= 1 and microbatches >= 1, naming the schedule.
