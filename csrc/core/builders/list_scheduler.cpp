@@ -19,6 +19,7 @@
 #include <algorithm>
 #include <utility>
 
+#include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe::detail {
@@ -201,13 +202,8 @@ class ListScheduler {
     if (t == kNever) return kNever;
     return same_rank(from, to) ? t : t + comm_;
   }
-  double cost(const Choice& ch) const {
-    switch (ch.kind) {
-      case Kind::F: return f_[ch.stage];
-      case Kind::I: return b_[ch.stage];
-      default: return w_[ch.stage];
-    }
-  }
+  // The scheduler chooses F, I and W only (Choice::kind).
+  double cost(const Choice& ch) const { return ch.kind == Kind::F ? f_[ch.stage] : ch.kind == Kind::I ? b_[ch.stage] : w_[ch.stage]; }
   bool admits(const RankState& rk, int s) const { return s == rk.stage[0]; }
 
   void mark_dirty(int r) {
@@ -336,31 +332,35 @@ class ListScheduler {
     return {false, {}, next};
   }
 
+  // When everything `part` needs (producers_of) is on its rank, from the end times in `ends_f`
+  // and `ends_i` (this scheduler runs I, never B, so a "B or I" producer reads `ends_i`); data
+  // from another rank arrives comm_ later. kNever while some producer has not run.
+  double needs_met(const Action& part, const std::vector<double>& ends_f,
+                   const std::vector<double>& ends_i) const {
+    double t = 0.0;
+    for (const Producer& d : producers_of(part, ns_)) {
+      const double e = (d.kind == Kind::F ? ends_f : ends_i)[idx(d.stage, part.microbatch)];
+      t = std::max(t, d.data ? arrive(d.stage, e, part.stage) : e);
+    }
+    return t;
+  }
+
   // When the next F / I of stage s has its inputs (kNever: not known yet, or none left); kept
   // up to date by apply() whenever an end time they read is set.
   double forward_ready(int s) const {
     const int mb = next_f_[s];
     if (mb >= m_) return kNever;
-    return s == 0 ? 0.0 : arrive(s - 1, end_f_[idx(s - 1, mb)], s);
+    return needs_met(Action(s, Kind::F, mb), end_f_, end_i_);
   }
   double backward_ready(int s) const {
     const int mb = next_i_[s];
     if (mb >= m_ || mb >= next_f_[s]) return kNever;
-    const double own = end_f_[idx(s, mb)];
-    return s == last_stage_ ? own : std::max(own, arrive(s + 1, end_i_[idx(s + 1, mb)], s));
+    return needs_met(Action(s, Kind::I, mb), end_f_, end_i_);
   }
 
   // When the simulator would have the inputs of `ch` on its rank.
   double sim_ready(const Choice& ch) const {
-    const int s = ch.stage, mb = ch.mb;
-    switch (ch.kind) {
-      case Kind::F: return s == 0 ? 0.0 : arrive(s - 1, sim_f_[idx(s - 1, mb)], s);
-      case Kind::I: {
-        const double own = sim_f_[idx(s, mb)];
-        return s == last_stage_ ? own : std::max(own, arrive(s + 1, sim_i_[idx(s + 1, mb)], s));
-      }
-      default: return sim_i_[idx(s, mb)];
-    }
+    return needs_met(Action(ch.stage, ch.kind, ch.mb), sim_f_, sim_i_);
   }
 
   void apply(int r, const Choice& ch) {
@@ -385,10 +385,11 @@ class ListScheduler {
         rk.peak = std::max(rk.peak, ++rk.live);
         --rk.left_fi;
         rk.last = Kind::F;
-        // The next stage's rank reads this end time only if it is waiting for this microbatch.
-        if (s < last_stage_ && next_f_[s + 1] == ch.mb) {
-          f_ready_[s + 1] = forward_ready(s + 1);
-          mark_dirty(p_.stage_to_rank[s + 1]);
+        // The consuming stage's rank reads this end time only if it waits for this microbatch.
+        const int to = data_consumer(Action(s, Kind::F, ch.mb), ns_);
+        if (to >= 0 && next_f_[to] == ch.mb) {
+          f_ready_[to] = forward_ready(to);
+          mark_dirty(p_.stage_to_rank[to]);
         }
         break;
       }
@@ -402,17 +403,25 @@ class ListScheduler {
         rk.pending_w.emplace_back(s, ch.mb);
         --rk.left_fi;
         rk.last = Kind::I;
-        if (s > 0 && next_i_[s - 1] == ch.mb) {
-          i_ready_[s - 1] = backward_ready(s - 1);
-          mark_dirty(p_.stage_to_rank[s - 1]);
+        const int to = data_consumer(Action(s, Kind::I, ch.mb), ns_);
+        if (to >= 0 && next_i_[to] == ch.mb) {
+          i_ready_[to] = backward_ready(to);
+          mark_dirty(p_.stage_to_rank[to]);
         }
         break;
       }
-      default:
+      case Kind::W:
         --rk.live;
         ++done_w_[ch.stage];
         ++rk.w_head;
         break;
+      case Kind::B:  // never chosen: the scheduler splits every backward
+      case Kind::SEND_F:
+      case Kind::RECV_F:
+      case Kind::SEND_B:
+      case Kind::RECV_B:
+      case Kind::OVERLAP_F_B:
+        ZB_CHECK(false, "list scheduler chose '", kind_name(ch.kind), "'");
     }
     p_.ranks[r].emplace_back(ch.stage, ch.kind, ch.mb);
   }
