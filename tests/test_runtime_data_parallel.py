@@ -76,6 +76,50 @@ def _config(zbpipe, mesh, rank, name, deferred, wrapper):
     return worst, failure, torch.cat(grads).tolist() if grads else []
 
 
+def _count_reshards():
+    """Counts the FSDP parameter-group reshards that free unsharded parameters: zbpipe keeps a
+    stage unsharded for the whole step, so one per group and step (FSDP alone: one per
+    microbatch backward)."""
+    from torch.distributed.fsdp._fully_shard._fsdp_param_group import FSDPParamGroup
+
+    counts = {"n": 0}
+    original = FSDPParamGroup._to_sharded  # where every reshard that frees memory ends up
+
+    def to_sharded(self):
+        counts["n"] += not self.is_sharded
+        return original(self)
+
+    FSDPParamGroup._to_sharded = to_sharded
+    return counts
+
+
+def _refusals(zbpipe, mesh, rank):
+    """What the DDP reducer cannot do under a pipeline schedule is refused at construction."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    pp_rank = mesh.get_coordinate()[1]
+    dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
+    out = {}
+    cases = {
+        "static_graph": (dict(static_graph=True), "1f1b", False),
+        "find_unused_split": (dict(find_unused_parameters=True), "zb_h1", False),
+        "comm_hook_deferred": ({}, "zb_h1", True),
+    }
+    for key, (kw, name, deferred) in cases.items():
+        ddp = DDP(build("mlp", PP)[pp_rank], process_group=dp_group, **kw)
+        if key == "comm_hook_deferred":
+            from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+            ddp.register_comm_hook(dp_group, allreduce_hook)
+        stage = zbpipe.PipelineStage(ddp, pp_rank, PP, "cpu", group=pp_group, deferred_linear=deferred)
+        try:
+            zbpipe.get_schedule_class(name)(stage, M, loss_fn=MODELS["mlp"][2])
+            out[key] = "accepted"
+        except ValueError as e:
+            out[key] = str(e)
+    return out
+
+
 def _dp_world(rank, world):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
@@ -83,12 +127,15 @@ def _dp_world(rank, world):
     import zbpipe
 
     mesh = init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "pp"))
-    out = {"errors": {}, "failures": [], "grads": {}}
+    reshards = _count_reshards()
+    out = {"errors": {}, "failures": [], "grads": {}, "reshards": {}}
     for wrapper in ("ddp", "fsdp"):
         for name, deferred in SCHEDULES:
             key = f"{wrapper}/{name}{'/deferred' if deferred else ''}"
+            before = reshards["n"]
             try:
                 worst, failure, grads = _config(zbpipe, mesh, rank, name, deferred, wrapper)
+                out["reshards"][key] = reshards["n"] - before
             except Exception as e:  # noqa: BLE001 - reported, the world goes on
                 import traceback
 
@@ -98,6 +145,7 @@ def _dp_world(rank, world):
             out["grads"][key] = grads
             if failure:
                 out["failures"].append(failure)
+    out["refusals"] = _refusals(zbpipe, mesh, rank)
     dist.barrier()
     return out
 
@@ -113,6 +161,16 @@ def test_ddp_and_fsdp_stages_match_the_global_batch():
     print("max |grad - global batch| per configuration (worst rank):")
     for key in results[0]["errors"]:
         print(f"  {key:<28} {max(r['errors'][key] for r in results.values()):.3g}")
+    for rank, res in results.items():
+        stages_here = {name: 2 if name in ("zbv", "interleaved_zb") else 1 for name, _ in SCHEDULES}
+        for name, deferred in SCHEDULES:
+            key = f"fsdp/{name}{'/deferred' if deferred else ''}"
+            # One group per stage module (fully_shard of the stage root), two steps.
+            assert res["reshards"][key] == 2 * stages_here[name], (rank, key, res["reshards"][key])
+        ref = res["refusals"]
+        assert "DDP(static_graph=True) is not supported" in ref["static_graph"], ref
+        assert "find_unused_parameters=True" in ref["find_unused_split"] and "splits" in ref["find_unused_split"], ref
+        assert "communication hook" in ref["comm_hook_deferred"], ref
     # The replicas of a pipeline position (ranks p and p + PP) hold identical gradients.
     for p in range(PP):
         for key, g in results[p]["grads"].items():
