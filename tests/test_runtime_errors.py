@@ -127,7 +127,7 @@ def test_bad_input_fails_every_rank_cleanly():
             _check_failure(r["indivisible"], rank, "rank 1 failed at action", "(before the step)",
                            "not divisible by n_microbatches=4")
             assert "rank 0 failed at action" in r["indivisible"][1] or "rank 2 failed at action" in r["indivisible"][1]
-            assert r["indivisible"][2] < WAIT_S, r["indivisible"]  # not the timeout
+            assert "timeout" not in r["indivisible"][1] and " within " not in r["indivisible"][1]  # told, not timed out
         # Declared input shape differs: the handshake tells every rank the same thing.
         _check_failure(r["declared_shape"], rank, "stage 1", "input_args", "float32[2, 5]", "float32[2, 8]")
         assert r["declared_shape"][0] == "PipelineError"

@@ -91,10 +91,11 @@ def _world(rank, pp):
 
 
 def _cause(rank, failing_rank, action):
-    """How a message names the failing rank and action: its own header, or a peer's report."""
+    """How a message names the failing rank and action: its own header, or a peer's report
+    (which interrupted this rank's communication: it did not wait for its own timeout)."""
     if rank == failing_rank:
         return f"zbpipe: rank {rank} failed at action {action} (index"
-    return f"rank {failing_rank} failed at action {action} (its step 2)"
+    return f"rank {failing_rank} failed at action {action} (its step 2): "
 
 
 def _check(res, scenario, rank, *needles):
@@ -120,6 +121,10 @@ def test_a_failure_reaches_every_rank_and_programs_are_compared():
                "every microbatch of a step must have the same shapes")
         _check(r, "timeout", rank, _cause(rank, 2, "2F1"), "waiting for 2RECV_F1",
                "timeout 1 s")
+        for scenario, failing in (("stage_exception", 1), ("loss_error", 2), ("shape_change", 0), ("timeout", 2)):
+            if rank != failing:  # its pending communication was aborted: no timeout of its own
+                assert "was aborted (a peer failed)" in r[scenario][1], (scenario, rank, r[scenario][1])
+                assert "timeout 60" not in r[scenario][1], (scenario, rank, r[scenario][1])
         _check(r, "other_schedule", rank, "the ranks run different programs", "schedule=1f1b", "schedule=gpipe",
                "microbatches=4")
         _check(r, "other_microbatches", rank, "the ranks run different programs", "microbatches=4",

@@ -163,13 +163,12 @@ class PipelineStage:
         self._dp.sync_end()
 
     def _zb_step_inputs(self):
-        """First stage, every step: the signature of microbatch 0's arguments (positional and
-        keyword tensors; the schedule splits every microbatch to the same shapes)."""
-        args = [a for a in self._mb_args[0] if isinstance(a, torch.Tensor)]
+        """First stage, every step: the signature of microbatch 0's arguments, every tensor in
+        its positional and keyword arguments (the schedule splits all microbatches alike)."""
         kwargs = self._mb_kwargs[0] if self._mb_kwargs else {}
-        named = sorted((k, v) for k, v in kwargs.items() if isinstance(v, torch.Tensor))
-        specs = _tree.specs_of(args + [v for _, v in named])
-        return specs, f"{len(args)}|" + ",".join(k for k, _ in named)
+        tensors: list[torch.Tensor] = []
+        layout = _layout((self._mb_args[0], kwargs), tensors)
+        return _tree.specs_of(tensors), layout
 
     def _zb_use_inputs(self, structure: str) -> None:
         """The executor switched back to a signature negotiated earlier: its input structure."""
@@ -231,6 +230,19 @@ class PipelineStage:
                 tensors = [torch.zeros(s, dtype=d, device=self.device) for s, d in specs]
                 args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_structure))
                 return module(*args, **named, **kwargs)
+
+
+def _layout(obj, out: list) -> str:
+    """Collects the tensors nested in tuples, lists and dicts into `out`; returns the layout
+    (containers, keys and where the tensors sit; other values are only marked)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+        return "T"
+    if isinstance(obj, (tuple, list)):
+        return "(" + ",".join(_layout(v, out) for v in obj) + ")"
+    if isinstance(obj, dict):
+        return "{" + ",".join(f"{k!r}:{_layout(v, out)}" for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))) + "}"
+    return "."
 
 
 def _to_meta(v):
