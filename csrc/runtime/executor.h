@@ -47,11 +47,12 @@ class Executor {
            std::map<int, std::shared_ptr<StageHandle>> stages, ExecutorOptions options);
   ~Executor();
 
-  // Runs one step (every microbatch). The first call runs the signature handshake. Each
-  // microbatch loss starts its backward with gradient `loss_scale` (1/n: the gradient of the
-  // mean loss). Throws PipelineError naming the rank and failing action, with the program grid
-  // marked. After a failure the executor (and the process group's pending traffic) is unusable.
-  // Call without the Python GIL.
+  // Runs one step (every microbatch). The first call compares program fingerprints; each call
+  // agrees on the step's shapes (a handshake for a new input signature). Each microbatch loss
+  // starts its backward with gradient `loss_scale` (1/n: the gradient of the mean loss).
+  // Throws PipelineError naming the rank and failing action, with the program grid marked, and
+  // on a peer's failure naming that rank, its action and message. After a failure the
+  // executor (and the process group's pending traffic) is unusable. Call without the GIL.
   void run(double loss_scale = 1.0);
 
   const std::vector<TraceRecord>& trace() const { return trace_; }

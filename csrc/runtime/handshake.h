@@ -1,6 +1,7 @@
-// One-time pipeline handshake: each stage's output signature (shapes, dtypes, structure) flows
-// down the pipeline so every receiver knows its buffer shapes, then the outcome flows back up,
-// so a mismatch found at any stage fails every rank with the same message instead of a hang.
+// Pipeline handshake (the first step, and every step with a new input signature of the first
+// stage): each stage's output signature (shapes, dtypes, structure) flows down the pipeline so
+// every receiver knows its buffer shapes, then the outcome flows back up, so a mismatch found
+// at any stage fails every rank with the same message instead of a hang.
 #pragma once
 
 #include <chrono>
