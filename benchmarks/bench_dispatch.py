@@ -14,7 +14,9 @@ microbatches run locally with no communication (what a perfect runtime could app
 aside); `1proc` is all four layers and all microbatches in one process; `min` columns are the
 best repetition (on a shared, oversubscribed machine Gloo's P2P latency swings by several times
 from one repetition to the next, for both libraries: compare medians of the same run only).
-Target: zbpipe/torch <= 0.5.
+`static ms` is zbpipe with static_shapes=True (library `zbpipe-static`): no per-step message
+naming the step's input signature; `zb/static` is the per-step cost of being ready to
+renegotiate shapes (zbpipe's default). Target: zbpipe/torch <= 0.5.
 """
 
 from __future__ import annotations
@@ -125,8 +127,10 @@ def _one_process(size, mbs, reps, device) -> float:
 def _build(lib, schedule, size, num_stages, rank, world, device, mbs):
     """(schedule, local stages, params), or None on every rank if any rank cannot build it."""
     modules = _modules(size, num_stages, 0)
+    static = lib == "zbpipe-static"
     try:
-        sched, local = build_pipeline(lib, schedule, modules, rank, world, device, mbs, _mse)
+        sched, local = build_pipeline("zbpipe" if static else lib, schedule, modules, rank, world, device,
+                                      mbs, _mse, schedule_kwargs={"static_shapes": True} if static else None)
         err = None
     except (ValueError, TypeError, AttributeError, NotImplementedError, RuntimeError) as e:
         err = f"{type(e).__name__}: {e}"
@@ -167,17 +171,18 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
             best = {lib: min(t) for lib, t in times.items()}
             if rank == 0:
                 _print_row(size, schedule, med.get("torch"), med.get("zbpipe"), float(floor_t), one_proc,
-                           best.get("torch"), best.get("zbpipe"))
+                           best.get("torch"), best.get("zbpipe"), med.get("zbpipe-static"))
 
 
 def _ms(t: float | None) -> str:
     return f"{t * 1e3:9.2f}" if t is not None else f"{'n/a':>9}"
 
 
-def _print_row(size, schedule, torch_t, zb_t, floor, one_proc, torch_min, zb_min) -> None:
+def _print_row(size, schedule, torch_t, zb_t, floor, one_proc, torch_min, zb_min, static_t) -> None:
     ratio = f"{zb_t / torch_t:8.2f}" if torch_t and zb_t else f"{'n/a':>8}"
+    dyn = f"{zb_t / static_t:9.3f}" if static_t and zb_t else f"{'n/a':>9}"
     print(f"{size:<7} {schedule:<17} {_ms(torch_t)} {_ms(zb_t)} {ratio} {_ms(floor)} {_ms(one_proc)}"
-          f" {_ms(torch_min)} {_ms(zb_min)}", flush=True)
+          f" {_ms(torch_min)} {_ms(zb_min)} {_ms(static_t)} {dyn}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,7 +192,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zbv,dualpipev,zb_h1",
                    help=f"comma list from {sorted(SCHEDULES)}")
     p.add_argument("--sizes", default="tiny,medium", help=f"comma list from {sorted(SIZES)}")
-    p.add_argument("--libs", default="torch,zbpipe")
+    p.add_argument("--libs", default="torch,zbpipe,zbpipe-static",
+                   help="torch, zbpipe, zbpipe-static (zbpipe with static_shapes=True)")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per library and row")
     p.add_argument("--reps", type=int, default=7, help="timed repetitions (median reported)")
     p.add_argument("--steps", type=int, default=5, help="steps per repetition")
@@ -208,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# bench_dispatch: pp={ns.pp} microbatches={ns.microbatches} {backend} on {ns.device}, "
           f"torch {torch.__version__}; median of {ns.reps} reps x {ns.steps} steps after {ns.warmup} warm-up")
     print(f"{'size':<7} {'schedule':<17} {'torch ms':>9} {'zbpipe ms':>9} {'zb/torch':>8} "
-          f"{'floor ms':>9} {'1proc ms':>9} {'torch min':>9} {'zb min':>9}", flush=True)
+          f"{'floor ms':>9} {'1proc ms':>9} {'torch min':>9} {'zb min':>9} {'static ms':>9} {'zb/static':>9}",
+          flush=True)
     run_local(_bench, ns.pp, (a,), device=ns.device, timeout_s=ns.timeout, pg_timeout_s=300,
               gloo_devices=ns.gloo_devices)
     return 0

@@ -1,5 +1,6 @@
 """bench_dispatch runs end to end (one short row per library): it must build both libraries'
-pipelines on the same stages and print a complete row. No timing is asserted."""
+pipelines (and zbpipe's with static_shapes=True) on the same stages and print a complete row.
+No timing is asserted."""
 
 from __future__ import annotations
 
@@ -21,8 +22,10 @@ def test_bench_dispatch_prints_a_row_for_both_libraries():
         cwd=NEUTRAL_CWD, capture_output=True, text=True, timeout=60, env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
-    row = re.search(r"^tiny\s+zbv\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", proc.stdout, re.M)
+    row = re.search(r"^tiny\s+zbv" + r"\s+([\d.]+)" * 9 + r"\s*$", proc.stdout, re.M)
     assert row, proc.stdout
-    torch_ms, zb_ms, ratio, floor_ms, _ = map(float, row.groups())
-    assert torch_ms > 0 and zb_ms > 0 and floor_ms > 0
+    torch_ms, zb_ms, ratio, floor_ms, _, _, _, static_ms, dyn_ratio = map(float, row.groups())
+    assert torch_ms > 0 and zb_ms > 0 and floor_ms > 0 and static_ms > 0
     assert abs(ratio - zb_ms / torch_ms) < 0.01 + 0.01 * ratio
+    # zbpipe with static_shapes=True, measured in the same run (the renegotiation's cost)
+    assert abs(dyn_ratio - zb_ms / static_ms) < 0.002 + 0.01 * dyn_ratio

@@ -62,6 +62,8 @@ def _attempt(rank, make_stage, batch=8, n=4, timeout=WAIT_S):
 
 
 def _errors_world(rank, pp):
+    import torch.distributed as dist
+
     import zbpipe
 
     def plain(group, **kw):
@@ -83,6 +85,7 @@ def _errors_world(rank, pp):
         out["placement"] = ("ok", "", 0.0)
     except Exception as e:  # noqa: BLE001
         out["placement"] = (type(e).__name__, str(e), 0.0)
+    dist.barrier()  # rank 0 hosts the store: it stays until every rank has its answer
     return out
 
 
@@ -116,12 +119,15 @@ def test_bad_input_fails_every_rank_cleanly():
         r = results[rank]
         assert r["warmup"][0] == "ok", r["warmup"]
         # Indivisible batch: the ranks holding the batch / target say so at once; the middle
-        # rank times out waiting for the first message and says where it waited.
+        # rank learns it from them (through the store) instead of waiting for its timeout.
         if rank in (0, PP - 1):
             assert r["indivisible"][0] == "ValueError"
             _check_failure(r["indivisible"], rank, "not divisible by n_microbatches=4")
         else:
-            _check_failure(r["indivisible"], rank, "rank 1", "from rank 0")
+            _check_failure(r["indivisible"], rank, "rank 1 failed at action", "(before the step)",
+                           "not divisible by n_microbatches=4")
+            assert "rank 0 failed at action" in r["indivisible"][1] or "rank 2 failed at action" in r["indivisible"][1]
+            assert "timeout" not in r["indivisible"][1] and " within " not in r["indivisible"][1]  # told, not timed out
         # Declared input shape differs: the handshake tells every rank the same thing.
         _check_failure(r["declared_shape"], rank, "stage 1", "input_args", "float32[2, 5]", "float32[2, 8]")
         assert r["declared_shape"][0] == "PipelineError"
@@ -137,13 +143,15 @@ def test_bad_input_fails_every_rank_cleanly():
         else:
             _check_failure(r["stage_exception"], rank, f"rank {rank} failed at action")
         assert r["recovered"][0] == "ok", r["recovered"]
-        if rank != 1:  # rank 1 holds stages 1 and 4 in both layouts: it waits, then fails
+        if rank != 1:  # rank 1 holds stages 1 and 4 in both layouts: it is told
             assert r["placement"][0] == "ScheduleError", r["placement"]
             _check_failure((("ValueError",) + r["placement"][1:]), rank,
                            f"places stages [{rank}, {2 * PP - 1 - rank}] on rank {rank}",
                            f"given stages [{rank}, {rank + PP}]")
         else:
-            _check_failure(r["placement"], rank, "rank 1", "from rank 0")
+            _check_failure(r["placement"], rank, "rank 1 failed at action", "(building the executor)",
+                           "places stages [", "but this rank was given stages [")
+            assert r["placement"][1].count("rank 0 failed") + r["placement"][1].count("rank 2 failed") == 1
 
 
 def test_dead_peer_fails_survivors_in_bounded_time():

@@ -31,6 +31,7 @@ def _run_demo(*args: str) -> subprocess.CompletedProcess:
         ("--lib", "zbpipe", "--schedule", "1f1b"),  # one stage per rank, full backward
         ("--lib", "zbpipe", "--schedule", "zb_auto"),  # cost-driven, at unit costs
         ("--lib", "zbpipe", "--schedule", "v_min"),  # controllable-memory V
+        ("--lib", "zbpipe", "--schedule", "zb_h1", "--dp", "2"),  # 2 replicas of pp 2, DDP stages, split I/W
         ("--lib", "torch", "--schedule", "zbv"),  # the harness itself, against PyTorch's runtime
     ],
     ids=lambda a: "-".join(a[1::2]),

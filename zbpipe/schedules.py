@@ -117,6 +117,17 @@ class PipelineSchedule:
         prepost_receives: on Gloo, post every receive of a step when it starts (a send then
             finds its receive waiting); False posts each at its RECV action, as on NCCL,
             holding fewer receive buffers at a time.
+        static_shapes: keep the first step's shapes for every step, saving the one small
+            message per step and rank through which the first stage's rank names the step's
+            input signature (by default a new signature renegotiates the shapes). Every rank
+            must pass the same value.
+
+    A step failing on any rank (a stage error, a wrong shape, a loss error, a timeout, a bad
+    batch) fails every rank of the pipeline with zbpipe.PipelineError naming that rank, its
+    action and its message, within about a tenth of a second of the failure (through the
+    process group's store; a rank busy computing learns it at its next wait). Before the first
+    step the ranks compare their programs (schedule, pp, microbatches, stage placement, action
+    lists): a mismatch fails every rank at once, naming both sides.
     """
 
     schedule: str = ""
@@ -136,6 +147,7 @@ class PipelineSchedule:
         device_timing: bool = False,
         compile_options: dict | None = None,
         prepost_receives: bool = True,
+        static_shapes: bool = False,
         _program: _C.Program | None = None,
     ):
         if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
@@ -165,6 +177,7 @@ class PipelineSchedule:
         self._timeout = float(timeout)
         self._device_timing = device_timing
         self._prepost_receives = prepost_receives
+        self._static_shapes = static_shapes
         self._group = group
         pp = self._stages[0].group_size
         num_stages = self._stages[0].num_stages
@@ -189,6 +202,11 @@ class PipelineSchedule:
         self._custom: dict[_C.Kind, Callable] = {}
         self._ctx: PipelineContext | None = None
         self._last: _C.Executor | None = None  # the executor of the last step (trace)
+        for s in self._stages:
+            if s._dp is not None:
+                split = any(a.kind == _C.Kind.I and a.stage == s.stage_index
+                            for a in self._program.rank_actions(s.group_rank))
+                s._dp.check(s.stage_index, split)
 
     @property
     def program(self) -> _C.Program:
@@ -223,6 +241,7 @@ class PipelineSchedule:
                 self._timeout,
                 self._device_timing,
                 self._prepost_receives,
+                self._static_shapes,
             )
             self._install_custom(ex)
         return ex
@@ -282,24 +301,35 @@ class PipelineSchedule:
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list, got {type(losses).__name__}")
         n = self._n
-        mb_args = _split(tuple(args), n, "argument") if any(s.is_first for s in self._stages) else None
-        mb_kwargs = _split(dict(kwargs), n, "keyword argument") if kwargs else None
-        mb_targets = None
-        has_last = any(s.is_last for s in self._stages)
-        if has_last and self._loss_fn is not None and (target is not None or train):
-            if target is None:
-                raise ValueError("zbpipe: the last stage needs target= when a loss_fn is set")
-            mb_targets = _split(target, n, "target")
-        executor = self._get_executor(train)
-        for s in self._stages:
-            s._begin(mb_args if s.is_first else None, mb_kwargs, mb_targets if s.is_last else None,
-                     self._loss_fn if mb_targets is not None else None, train,
-                     keep_outputs=return_outputs, loss_kwargs=loss_kwargs)
-        if self._custom:
-            self._ctx = PipelineContext(self, executor, mb_args, mb_kwargs, mb_targets, losses, loss_kwargs)
-        self._last = executor
         try:
+            executor = self._get_executor(train)
+        except Exception as e:
+            _C.Executor.report_setup_failure(self._group, self._stages[0].device, f"{type(e).__name__}: {e}")
+            raise
+        failed = True
+        try:
+            try:  # this rank's own checks: a failure here is told to every peer
+                mb_args = _split(tuple(args), n, "argument") if any(s.is_first for s in self._stages) else None
+                mb_kwargs = _split(dict(kwargs), n, "keyword argument") if kwargs else None
+                mb_targets = None
+                has_last = any(s.is_last for s in self._stages)
+                if has_last and self._loss_fn is not None and (target is not None or train):
+                    if target is None:
+                        raise ValueError("zbpipe: the last stage needs target= when a loss_fn is set")
+                    mb_targets = _split(target, n, "target")
+                for s in self._stages:
+                    s._begin(mb_args if s.is_first else None, mb_kwargs, mb_targets if s.is_last else None,
+                             self._loss_fn if mb_targets is not None else None, train,
+                             keep_outputs=return_outputs, loss_kwargs=loss_kwargs)
+                    s._step_begin(train)
+            except Exception as e:
+                executor.report_failure(f"{type(e).__name__}: {e}")
+                raise
+            if self._custom:
+                self._ctx = PipelineContext(self, executor, mb_args, mb_kwargs, mb_targets, losses, loss_kwargs)
+            self._last = executor
             executor.run(1.0 / n if self._scale_grads else 1.0)
+            failed = False
             last = next((s for s in self._stages if s.is_last), None)
             if last is None:
                 return None
@@ -311,7 +341,7 @@ class PipelineSchedule:
         finally:
             self._ctx = None
             for s in self._stages:
-                s._end()
+                s._end(failed)
 
     def trace(self) -> list[dict]:
         """Per-action timing of the last step (host ns; device us when timed)."""

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _tree
+from .data_parallel import adapter_for
 from .deferred_linear import DeferredLinearHook
 
 
@@ -39,8 +40,16 @@ class PipelineStage:
             backward (B, or I) runs the full autograd backward, then ``dw_builder()`` is called
             and the runner it returns is called at the microbatch's W (right away after a B).
 
-    Shapes are fixed at the first step: every microbatch of every later step must match, and
-    a stage producing another shape fails on its rank with both shapes named.
+    Shapes follow the first stage's inputs: a step whose microbatch arguments have a signature
+    (shapes, dtypes, structure) no earlier step had renegotiates every stage's shapes (the
+    handshake again; each signature is negotiated once and remembered). All microbatches of one
+    step share their shapes: a stage producing another shape for one of them fails on its rank
+    with both shapes named. Keyword arguments of stages after the first must keep their shapes
+    while the first stage's inputs do.
+
+    The module may be wrapped in ``DistributedDataParallel`` or be the root of ``fully_shard``
+    (FSDP2) over a data-parallel group: gradients are then reduced once per step, at the stage's
+    last backward action (see zbpipe/data_parallel.py).
     """
 
     def __init__(
@@ -74,6 +83,8 @@ class PipelineStage:
         self._linear = DeferredLinearHook(submodule) if deferred_linear else None
         self.dw_builder = dw_builder
         self._dw_runners: dict[int, Callable[[], None]] = {}  # mb -> runner, from I to W
+        self._dp = adapter_for(submodule, deferred_linear)
+        self._parsed: dict[str, Any] = {}  # input structure string -> parsed, per signature
         self._in_structure: str | None = None
         self._in_parsed: Any = None
         self._out_structure: str | None = None
@@ -100,7 +111,14 @@ class PipelineStage:
         self.losses: dict[int, torch.Tensor] = {}
         self.outputs: dict[int, Any] = {}
 
-    def _end(self) -> None:
+    def _step_begin(self, training: bool) -> None:
+        """A schedule step starts on this stage (after _begin): data parallelism's step state."""
+        if self._dp is not None:
+            self._dp.step_begin(training)
+
+    def _end(self, failed: bool = False) -> None:
+        if self._dp is not None:
+            self._dp.step_end(failed)
         self._begin(None, None, None, None, False)
 
     # ---- executor callbacks ----------------------------------------------------------------
@@ -160,6 +178,32 @@ class PipelineStage:
         for entry in self._queues.pop(mb):
             entry.run()
 
+    @property
+    def _zb_syncs_gradients(self) -> bool:
+        """Read once by the executor: call _zb_grad_sync_begin/_end around the last backward."""
+        return self._dp is not None
+
+    def _zb_grad_sync_begin(self, roots: list[torch.Tensor]) -> None:
+        self._dp.sync_begin(roots)
+
+    def _zb_grad_sync_end(self) -> None:
+        self._dp.sync_end()
+
+    def _zb_step_inputs(self):
+        """First stage, every step: the signature of microbatch 0's arguments, every tensor in
+        its positional and keyword arguments (the schedule splits all microbatches alike)."""
+        kwargs = self._mb_kwargs[0] if self._mb_kwargs else {}
+        tensors: list[torch.Tensor] = []
+        layout = _layout((self._mb_args[0], kwargs), tensors)
+        return _tree.specs_of(tensors), layout
+
+    def _zb_use_inputs(self, structure: str) -> None:
+        """The executor switched back to a signature negotiated earlier: its input structure."""
+        self._in_structure = structure
+        if structure not in self._parsed:
+            self._parsed[structure] = _tree.parse(structure)
+        self._in_parsed = self._parsed[structure]
+
     def _zb_infer_outputs(self, specs, structure: str):
         """Handshake: output signature for the given input signature (see StageHandle)."""
         kwargs = self._mb_kwargs[0] if self._mb_kwargs else {}
@@ -169,8 +213,7 @@ class PipelineStage:
             where = "its microbatch arguments"
         else:
             got = [(tuple(s), d) for s, d in specs]
-            self._in_structure = structure
-            self._in_parsed = _tree.parse(structure)
+            self._zb_use_inputs(structure)
             where = f"stage {self.stage_index - 1}'s outputs"
         if self._input_args is not None:
             declared = _tree.specs_of(_tree.flatten(self._input_args, "input_args")[0])
@@ -189,12 +232,16 @@ class PipelineStage:
 
     def _shape_run(self, specs, kwargs):
         """Output of one microbatch without touching real data: meta tensors where the module
-        allows it, else one real no-grad forward on zeros."""
+        allows it, else one real no-grad forward on zeros. A DDP stage runs its inner module
+        (no buffer broadcast); an FSDP stage its real, unsharded one (FSDP swaps parameters)."""
+        module = self.submod if self._dp is None else self._dp.shape_module
         with torch.no_grad():
             try:
+                if module is None:
+                    raise NotImplementedError("no meta run")
                 state = {
                     k: torch.empty_like(v, device="meta")
-                    for k, v in list(self.submod.named_parameters()) + list(self.submod.named_buffers())
+                    for k, v in list(module.named_parameters()) + list(module.named_buffers())
                 }
                 meta_kw = {k: _to_meta(v) for k, v in kwargs.items()}
                 if self.is_first:
@@ -204,15 +251,29 @@ class PipelineStage:
                     args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_structure))
 
                 def meta_call(*a, **k):
-                    return torch.func.functional_call(self.submod, state, a, k)
+                    return torch.func.functional_call(module, state, a, k)
 
                 return self._invoke(meta_call, tuple(args), {**named, **meta_kw})
             except Exception:
+                module = module if module is not None else self.submod
                 if self.is_first:
-                    return self._invoke(self.submod, tuple(self._mb_args[0]), kwargs)
+                    return self._invoke(module, tuple(self._mb_args[0]), kwargs)
                 tensors = [torch.zeros(s, dtype=d, device=self.device) for s, d in specs]
                 args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_structure))
-                return self._invoke(self.submod, tuple(args), {**named, **kwargs})
+                return self._invoke(module, tuple(args), {**named, **kwargs})
+
+
+def _layout(obj, out: list) -> str:
+    """Collects the tensors nested in tuples, lists and dicts into `out`; returns the layout
+    (containers, keys and where the tensors sit; other values are only marked)."""
+    if isinstance(obj, torch.Tensor):
+        out.append(obj)
+        return "T"
+    if isinstance(obj, (tuple, list)):
+        return "(" + ",".join(_layout(v, out) for v in obj) + ")"
+    if isinstance(obj, dict):
+        return "{" + ",".join(f"{k!r}:{_layout(v, out)}" for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))) + "}"
+    return "."
 
 
 def _to_meta(v):

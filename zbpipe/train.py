@@ -1,9 +1,11 @@
 """`python -m zbpipe.train`: pipelined training of a tiny transformer, checked against one process.
 
-Spawns `--pp` local ranks (Gloo on 127.0.0.1, or NCCL with --device cuda), splits the model of
-zbpipe.examples.tiny_transformer into pipeline stages, trains it on the synthetic Markov task
-with the chosen schedule, and prints step / loss / tokens-per-second from the rank that holds the
-last stage. Then it trains the same model (same seed, same batches, same optimizer) in this one
+Spawns `--pp` x `--dp` local ranks (Gloo on 127.0.0.1, or NCCL with --device cuda), splits the
+model of zbpipe.examples.tiny_transformer into pipeline stages, trains it on the synthetic Markov
+task with the chosen schedule, and prints step / loss / tokens-per-second from the rank that
+holds the last stage. With `--dp N`, N pipeline replicas each train on 1/N of every batch, their
+stages wrapped in DistributedDataParallel over the replicas of the same stage (the printed loss
+is the mean over replicas, the loss of the whole batch). Then it trains the same model (same seed, same batches, same optimizer) in this one
 process and prints both final losses and their difference: pipelining must not change the math,
 so they agree to float-reassociation tolerance (exit status 1 if they do not).
 """
@@ -20,7 +22,9 @@ import time
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from .examples.launcher import run_local
 from .examples.pipelines import LIBRARIES, SCHEDULES, build_pipeline, num_stages_for, spec_for, stage_to_rank
@@ -48,6 +52,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--lib", default="zbpipe", choices=LIBRARIES,
                    help="pipeline library: zbpipe, or torch.distributed.pipelining for comparison")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas of the pipeline (world = pp x dp), DDP-wrapped stages")
     p.add_argument("--stages-per-rank", type=int, default=None,
                    help="loop-style multi-stage schedules only (default: the schedule's own)")
     p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
@@ -77,17 +83,31 @@ def _optimizer(opts: dict[str, Any], params: list[nn.Parameter]) -> torch.optim.
     return torch.optim.AdamW(params, lr=opts["lr"])
 
 
+def _groups(rank: int, pp: int, dp: int):
+    """(pipeline group, data-parallel group) of `rank`: replica d holds ranks d*pp .. d*pp+pp-1;
+    every rank creates every group, in the same order."""
+    pipes = [dist.new_group([d * pp + i for i in range(pp)]) for d in range(dp)]
+    replicas = [dist.new_group([d * pp + i for d in range(dp)]) for i in range(pp)]
+    return pipes[rank // pp], replicas[rank % pp]
+
+
 def _worker(rank: int, world: int, device: torch.device, opts: dict[str, Any], out_path: str) -> None:
     """One pipeline rank: builds every stage from the seed (identical init everywhere), keeps
-    its own, and trains them; the rank holding the last stage logs and records the losses."""
-    num_stages = num_stages_for(opts["schedule"], world, opts["stages_per_rank"])
+    its own, and trains them on its replica's share of each batch; the rank holding the last
+    stage of replica 0 logs and records the losses (averaged over the replicas)."""
+    pp, dp = opts["pp"], opts["dp"]
+    replica = rank // pp
+    group, dp_group = _groups(rank, pp, dp) if dp > 1 else (None, None)
+    num_stages = num_stages_for(opts["schedule"], pp, opts["stages_per_rank"])
     cfg = _config(opts, num_stages)
     task = MarkovTask(cfg.vocab, cfg.seq_len, opts["seed"])
     modules = build_stages(cfg, num_stages, opts["seed"])
-    mb = opts["batch_size"] // opts["microbatches"]
+    share = opts["batch_size"] // dp
+    mb = share // opts["microbatches"]
+    wrap = (lambda m: DistributedDataParallel(m, process_group=dp_group)) if dp > 1 else None
     sched, local = build_pipeline(
-        opts["lib"], opts["schedule"], modules, rank, world, device, opts["microbatches"], lm_loss,
-        io_examples=lambda s: stage_io_examples(cfg, s, num_stages, mb, device),
+        opts["lib"], opts["schedule"], modules, rank % pp, pp, device, opts["microbatches"], lm_loss,
+        group=group, io_examples=lambda s: stage_io_examples(cfg, s, num_stages, mb, device), wrap=wrap,
     )
     optim = _optimizer(opts, [p for s in local for p in modules[s].parameters()])
     first, last = 0 in local, num_stages - 1 in local
@@ -96,14 +116,20 @@ def _worker(rank: int, world: int, device: torch.device, opts: dict[str, Any], o
     history: list[float] = []
     window_t, window_steps = time.perf_counter(), 0
     for step in range(steps):
-        x, y = (t.to(device) for t in task.batch(step, opts["batch_size"]))
+        x, y = (t[replica * share:(replica + 1) * share].to(device) for t in task.batch(step, opts["batch_size"]))
         optim.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         sched.step(*((x,) if first else ()), target=y if last else None, losses=losses if last else None)
         optim.step()
         if not last:
             continue
-        history.append(float(torch.stack([l.detach().float() for l in losses]).mean()))
+        loss = torch.stack([l.detach().float() for l in losses]).mean()
+        if dp > 1:  # the whole batch's loss: the mean of the replicas' (equal shares)
+            dist.all_reduce(loss, group=dp_group)
+            loss /= dp
+        if replica != 0:
+            continue
+        history.append(float(loss))
         window_steps += 1
         if (step + 1) % every == 0 or step + 1 == steps or step == 0:
             if device.type == "cuda":
@@ -115,7 +141,7 @@ def _worker(rank: int, world: int, device: torch.device, opts: dict[str, Any], o
             window_t, window_steps = now, 0
     if opts["trace"]:
         sched.export_chrome_trace(f"{opts['trace']}.rank{rank}.json")
-    if last:
+    if last and replica == 0:
         with open(out_path, "w") as f:
             json.dump(history, f)
 
@@ -144,10 +170,11 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
         p.error(str(e))
     if a.lib == "torch" and not spec_for(a.schedule).in_torch:
         p.error(f"--lib torch: torch.distributed.pipelining has no '{a.schedule}' schedule")
-    if a.pp < 1 or a.microbatches < 1 or a.steps < 1 or a.batch_size < 1:
-        p.error("--pp, --microbatches, --steps and --batch-size must be >= 1")
-    if a.batch_size % a.microbatches != 0:
-        p.error(f"--batch-size ({a.batch_size}) must be divisible by --microbatches ({a.microbatches})")
+    if a.pp < 1 or a.microbatches < 1 or a.steps < 1 or a.batch_size < 1 or a.dp < 1:
+        p.error("--pp, --dp, --microbatches, --steps and --batch-size must be >= 1")
+    if a.batch_size % (a.microbatches * a.dp) != 0:
+        p.error(f"--batch-size ({a.batch_size}) must be divisible by --microbatches x --dp "
+                f"({a.microbatches} x {a.dp})")
     if a.trace and a.lib != "zbpipe":
         p.error("--trace needs --lib zbpipe")
     if a.lib == "zbpipe":
@@ -158,8 +185,9 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
             zbpipe.compile(a.schedule, a.pp, a.microbatches, spr if spr > 1 else None)
         except zbpipe.ScheduleError as e:
             p.error(str(e))
-    if a.device == "cuda" and torch.cuda.device_count() < a.pp:
-        p.error(f"--device cuda needs one GPU per rank: --pp {a.pp}, found {torch.cuda.device_count()}")
+    if a.device == "cuda" and torch.cuda.device_count() < a.pp * a.dp:
+        p.error(f"--device cuda needs one GPU per rank: --pp {a.pp} x --dp {a.dp}, "
+                f"found {torch.cuda.device_count()}")
     if a.layers is not None and a.layers < num_stages:
         p.error(f"--layers ({a.layers}) must be >= the number of stages ({num_stages})")
     return num_stages
@@ -174,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = _config(opts, num_stages)
     task = MarkovTask(cfg.vocab, cfg.seq_len, a.seed)
     ranks = stage_to_rank(a.pp, num_stages, spec_for(a.schedule).style)
-    print(f"zbpipe train: lib={a.lib} schedule={a.schedule} pp={a.pp} stages={num_stages} "
+    print(f"zbpipe train: lib={a.lib} schedule={a.schedule} pp={a.pp} dp={a.dp} stages={num_stages} "
           f"(stage->rank {ranks}) microbatches={a.microbatches} batch={a.batch_size} "
           f"steps={a.steps} device={a.device}", flush=True)
     print(f"model: {cfg.n_layers} blocks d={cfg.d_model} heads={cfg.n_heads} vocab={cfg.vocab} "
@@ -184,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
         out_path = os.path.join(tmp, "losses.json")
         t0 = time.perf_counter()
         try:
-            run_local(_worker, a.pp, (opts, out_path), device=a.device, timeout_s=a.timeout)
+            run_local(_worker, a.pp * a.dp, (opts, out_path), device=a.device, timeout_s=a.timeout)
         except KeyboardInterrupt:
             print("interrupted: all ranks stopped", file=sys.stderr)
             return 130

@@ -268,11 +268,42 @@ class PyStage final : public runtime::StageHandle {
         weight_work_(stage_.attr("_zb_weight_work")),
         weight_queued_(stage_.attr("_zb_weight_work_queued")),
         infer_(stage_.attr("_zb_infer_outputs")),
-        queues_weight_(stage_.attr("_zb_queues_weight_work").cast<bool>()) {}
+        queues_weight_(stage_.attr("_zb_queues_weight_work").cast<bool>()),
+        syncs_grads_(stage_.attr("_zb_syncs_gradients").cast<bool>()) {}
 
   ~PyStage() override {
     py::gil_scoped_acquire gil;
     stage_ = forward_ = weight_work_ = weight_queued_ = infer_ = py::object();
+  }
+
+  bool syncs_gradients() const override { return syncs_grads_; }
+  void begin_gradient_sync(const std::vector<at::Tensor>& roots) override {
+    py::gil_scoped_acquire gil;
+    guarded([&] {
+      stage_.attr("_zb_grad_sync_begin")(roots);
+      return 0;
+    });
+  }
+  void end_gradient_sync() override {
+    py::gil_scoped_acquire gil;
+    guarded([&] {
+      stage_.attr("_zb_grad_sync_end")();
+      return 0;
+    });
+  }
+  Signature step_inputs() override {
+    py::gil_scoped_acquire gil;
+    return guarded([&] {
+      py::tuple res = stage_.attr("_zb_step_inputs")();
+      return Signature{specs_from_py(res[0]), res[1].cast<std::string>()};
+    });
+  }
+  void use_inputs(const Signature& in) override {
+    py::gil_scoped_acquire gil;
+    guarded([&] {
+      stage_.attr("_zb_use_inputs")(in.structure);
+      return 0;
+    });
   }
 
   std::vector<at::Tensor> forward(int mb, const std::vector<at::Tensor>& inputs) override {
@@ -305,6 +336,7 @@ class PyStage final : public runtime::StageHandle {
  private:
   py::object stage_, forward_, weight_work_, weight_queued_, infer_;
   bool queues_weight_;
+  bool syncs_grads_;
 };
 
 // register_custom_function's handler: a Python callable fn(action), called with the GIL.
@@ -347,7 +379,7 @@ void register_runtime(py::module_& m) {
       "Runs one rank's lowered program over a c10d process group (see csrc/runtime/executor.h).")
       .def(py::init([](const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                        const py::dict& stages, const at::Device& device, double timeout_s,
-                       bool device_timing, bool prepost_receives) {
+                       bool device_timing, bool prepost_receives, bool static_shapes) {
              std::map<int, std::shared_ptr<runtime::StageHandle>> handles;
              for (auto [k, v] : stages)
                handles[k.cast<int>()] = std::make_shared<PyStage>(py::reinterpret_borrow<py::object>(v));
@@ -355,12 +387,13 @@ void register_runtime(py::module_& m) {
              opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
              opts.device_timing = device_timing;
              opts.prepost_receives = prepost_receives;
+             opts.static_shapes = static_shapes;
              return std::make_unique<runtime::Executor>(
                  program, std::make_unique<runtime::P2P>(pg, device), std::move(handles), opts);
            }),
            py::arg("program"), py::arg("process_group"), py::arg("stages"), py::arg("device"),
            py::arg("timeout_s") = 300.0, py::arg("device_timing") = false,
-           py::arg("prepost_receives") = true)
+           py::arg("prepost_receives") = true, py::arg("static_shapes") = false)
       .def("run", &runtime::Executor::run, py::arg("loss_scale") = 1.0,
            py::call_guard<py::gil_scoped_release>(),
            "Runs one step of the program; each microbatch loss backpropagates `loss_scale` (the GIL "
@@ -372,6 +405,21 @@ void register_runtime(py::module_& m) {
       .def("run_part", &runtime::Executor::run_part, py::arg("part"),
            py::call_guard<py::gil_scoped_release>(),
            "Inside a custom function: runs a part of the current action with the built-in computation.")
+      .def_static("report_setup_failure",
+                  [](const c10::intrusive_ptr<c10d::ProcessGroup>& pg, const at::Device& device,
+                     const std::string& what) {
+                    runtime::P2P p2p(pg, device);
+                    runtime::Executor::report_setup_failure(p2p, what);
+                  },
+                  py::arg("process_group"), py::arg("device"), py::arg("what"),
+                  py::call_guard<py::gil_scoped_release>(),
+                  "Tells the peers' executor of the same number that this rank's could not be built.")
+      .def("report_failure", &runtime::Executor::report_failure, py::arg("what"),
+           py::call_guard<py::gil_scoped_release>(),
+           "Tells every peer that this rank's step failed before it ran (e.g. a bad batch); the "
+           "executor is unusable afterwards.")
+      .def_property_readonly("handshakes", &runtime::Executor::handshakes,
+                             "Shape handshakes run so far (one per distinct input signature).")
       .def_property_readonly("rank", &runtime::Executor::rank)
       .def_property_readonly("program", &runtime::Executor::program)
       .def("set_timeout", [](runtime::Executor& e, double s) {

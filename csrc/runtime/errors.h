@@ -14,6 +14,13 @@ class PipelineError : public ::zbpipe::Error {
   explicit PipelineError(const std::string& what) : ::zbpipe::Error(what) {}
 };
 
+// A wait or post refused because this rank's pending communication was aborted (a peer's
+// failure was seen through the store, see failure_watch.h).
+class CommAborted : public PipelineError {
+ public:
+  explicit CommAborted(const std::string& what) : PipelineError(what) {}
+};
+
 // The stage implementation threw (e.g. a Python exception in the module's forward).
 class StageError : public std::runtime_error {
  public:

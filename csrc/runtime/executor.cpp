@@ -13,15 +13,6 @@ int data_tag(int boundary_stage, bool grad, int mb, int microbatches) {
   return ((boundary_stage * 2 + (grad ? 1 : 0)) * microbatches + mb) * kMaxTensorsPerMessage;
 }
 
-namespace {
-std::vector<TensorSpec> differentiable(const std::vector<TensorSpec>& specs) {
-  std::vector<TensorSpec> out;
-  for (const auto& s : specs)
-    if (s.differentiable()) out.push_back(s);
-  return out;
-}
-}  // namespace
-
 Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
                    std::map<int, std::shared_ptr<StageHandle>> stages, ExecutorOptions options)
     : program_(std::move(program)), p2p_(std::move(p2p)), options_(options) {
@@ -49,11 +40,22 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
   }
   build_dispatch();
   for (const auto& h : stages_) queues_weight_.push_back(h->queues_weight_work() ? 1 : 0);
+  for (const auto& h : stages_) syncs_grads_.push_back(h->syncs_gradients() ? 1 : 0);
+  mark_gradient_sync();
   split_plans_.resize(stages_.size());
   timer_ = std::make_unique<DeviceTimer>(p2p_->device(), options_.device_timing, entries_.size());
 }
 
 Executor::~Executor() = default;
+
+void Executor::mark_gradient_sync() {
+  std::vector<int> last(stages_.size(), -1);
+  for (size_t i = 0; i < entries_.size(); ++i)
+    if (entries_[i].op == Op::BackwardFull || entries_[i].op == Op::BackwardWeight)
+      last[entries_[i].local] = static_cast<int>(i);
+  for (size_t l = 0; l < stages_.size(); ++l)
+    if (syncs_grads_[l] && last[l] >= 0) entries_[last[l]].sync_grads = true;
+}
 
 const StageSignatures& Executor::signatures(int stage) const {
   for (size_t i = 0; i < stage_ids_.size(); ++i)
@@ -174,11 +176,33 @@ void Executor::fail(int index, const std::string& what) {
   std::string action = index >= 0 && index < static_cast<int>(acts.size()) ? to_string(acts[index])
                        : index == kStepStart                                 ? "(start of step)"
                                                                              : "(end of step)";
+  // A peer's failure seen first is the cause: name it (and what it did here); otherwise this
+  // rank's failure is the one every peer is told about.
+  std::optional<StepFailure> cause = watch_ ? watch_->seen() : std::nullopt;
+  if (!cause && watch_) {
+    StepFailure stands = watch_->report(StepFailure{rank_, action, steps_, what});
+    if (stands.rank != rank_) cause = stands;
+  }
+  std::string why = what;
+  if (cause) {
+    why = cause->describe();
+    if (what.find(why) == std::string::npos) why += detail::str("\n  (on this rank: ", what, ")");
+  }
   throw PipelineError(detail::str(
       "zbpipe: rank ", rank_, " failed at action ", action, " (index ", index, ") of schedule '",
       program_.schedule, "' (pp=", program_.pp, ", stages=", program_.num_stages,
-      ", microbatches=", program_.microbatches, "):\n  ", what,
+      ", microbatches=", program_.microbatches, "):\n  ", why,
       "\nprogram (failing action marked >> <<):\n", format_program(program_, rank_, index)));
+}
+
+void Executor::report_failure(const std::string& what) {
+  if (broken_) return;
+  try {
+    ensure_watch();
+  } catch (const std::exception&) {
+  }
+  broken_ = true;
+  if (watch_) watch_->report(StepFailure{rank_, "(before the step)", steps_ + 1, what});
 }
 
 void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want,
@@ -194,7 +218,10 @@ void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vec
   throw PipelineError(detail::str(
       "stage ", stage, " microbatch ", mb, " produced ", what, " ", to_string(got),
       " but the pipeline agreed on ", to_string(want),
-      " at the first step (every microbatch must have the same shapes)"));
+      options_.static_shapes
+          ? " at the first step (static_shapes=True: every step and microbatch keeps the first step's shapes)"
+          : " for this step's input signature (every microbatch of a step must have the same "
+            "shapes; shapes may change between steps, following the first stage's inputs)"));
 }
 
 void Executor::wait_recv(std::shared_ptr<Batch>& batch, int comm, TraceRecord& rec) {
@@ -352,24 +379,21 @@ void Executor::run(double loss_scale) {
     throw PipelineError(detail::str(
         "zbpipe: rank ", rank_, ": this schedule failed in an earlier step; its process group "
         "may hold unmatched messages. Create a new process group and schedule."));
-  if (!ready_) {
-    std::map<int, StageHandle*> handles;
-    for (size_t i = 0; i < stage_ids_.size(); ++i) handles[stage_ids_[i]] = stages_[i].get();
-    try {
-      auto sigs = exchange_signatures(program_, *p2p_, handles, options_.timeout);
-      sigs_.clear();
-      grad_specs_.clear();
-      in_grad_specs_.clear();
-      for (int s : stage_ids_) {
-        sigs_.push_back(sigs.at(s));
-        grad_specs_.push_back(differentiable(sigs_.back().outputs.specs));
-        in_grad_specs_.push_back(differentiable(sigs_.back().inputs.specs));
-      }
-    } catch (const std::exception& ex) {
-      broken_ = true;
-      throw PipelineError(detail::str("zbpipe: rank ", rank_, ": ", ex.what()));
+  ++steps_;
+  struct Disarm {  // the watcher polls only while a step runs
+    FailureWatch* w = nullptr;
+    ~Disarm() { if (w) w->disarm(); }
+  } disarm;
+  try {
+    ensure_watch();
+    if (watch_) {
+      watch_->arm();
+      disarm.w = watch_.get();
     }
-    ready_ = true;
+    agree_before_step();
+  } catch (const std::exception& ex) {
+    abandon_in_flight();
+    fail(kStepStart, ex.what());
   }
   loss_scale_ = loss_scale;
   timer_->start_step();
@@ -393,7 +417,12 @@ void Executor::run(double loss_scale) {
     rec.host_start_ns = now_ns();
     timer_->mark(i, false);
     try {
+      if (e.sync_grads) {
+        static const std::vector<at::Tensor> kNoRoots;
+        stages_[e.local]->begin_gradient_sync(e.op == Op::BackwardFull ? slot(e.local, e.mb).roots : kNoRoots);
+      }
       run_entry(e, rec);
+      if (e.sync_grads) stages_[e.local]->end_gradient_sync();
     } catch (const std::exception& ex) {
       abandon_in_flight();
       fail(e.index, ex.what());

@@ -3,6 +3,12 @@
 // the compute that needs them, calling the stages' forwards, running their backward (B, or I
 // then W) on the autograd engine, and sending adjacent communication actions as one batch.
 // The dispatch table is built once per program; a step allocates only its receive buffers.
+// Before the first step the ranks compare program fingerprints (program_agreement.h); every
+// step starts by agreeing on its shapes (the first stage's rank names the step's input
+// signature, a new one is negotiated by the handshake, a known one reused), unless
+// static_shapes; a failing rank publishes its failure through the group's store and its peers'
+// pending communication is aborted (failure_watch.h). A data-parallel stage (DDP, FSDP2) gets
+// begin/end_gradient_sync around its last backward action of the step.
 #pragma once
 
 #include <chrono>
@@ -11,6 +17,7 @@
 #include <vector>
 
 #include "runtime/device.h"
+#include "runtime/failure_watch.h"
 #include "runtime/handshake.h"
 #include "runtime/p2p.h"
 #include "runtime/stage_backward.h"
@@ -28,6 +35,9 @@ struct ExecutorOptions {
   // message; otherwise it waits for a receive-ready notice from the peer (an extra round trip
   // through both ranks' transport threads). Costs the step's receive buffers up front.
   bool prepost_receives = true;
+  // Shapes fixed at the first step: no per-step signature message (a changed input shape
+  // then fails at the first stage whose output differs).
+  bool static_shapes = false;
 };
 
 // A user function replacing how the actions of some kinds run (Python's
@@ -48,19 +58,29 @@ class Executor {
            std::map<int, std::shared_ptr<StageHandle>> stages, ExecutorOptions options);
   ~Executor();
 
-  // Runs one step (every microbatch). The first call runs the signature handshake. Each
-  // microbatch loss starts its backward with gradient `loss_scale` (1/n: the gradient of the
-  // mean loss). Throws PipelineError naming the rank and failing action, with the program grid
-  // marked. After a failure the executor (and the process group's pending traffic) is unusable.
-  // Call without the Python GIL.
+  // Runs one step (every microbatch). The first call compares program fingerprints; each call
+  // agrees on the step's shapes (a handshake for a new input signature). Each microbatch loss
+  // starts its backward with gradient `loss_scale` (1/n: the gradient of the mean loss).
+  // Throws PipelineError naming the rank and failing action, with the program grid marked, and
+  // on a peer's failure naming that rank, its action and message. After a failure the
+  // executor (and the process group's pending traffic) is unusable. Call without the GIL.
   void run(double loss_scale = 1.0);
 
   const std::vector<TraceRecord>& trace() const { return trace_; }
   const Program& program() const { return program_; }
   int rank() const { return rank_; }
   void set_timeout(std::chrono::milliseconds t) { options_.timeout = t; }
-  // Agreed signatures of a local stage (after the first run).
+  // Agreed signatures of a local stage for the last step's inputs (after the first run).
   const StageSignatures& signatures(int stage) const;
+  // Shape handshakes run so far (one per distinct input signature, see negotiate_shapes).
+  int handshakes() const { return handshakes_; }
+
+  // A failure outside run() (the schedule's own checks before a step, on this rank): tells
+  // every peer, as a failing step does, and leaves the executor unusable.
+  void report_failure(const std::string& what);
+  // The same for a rank whose executor could not even be built (e.g. stages placed where the
+  // program does not put them): its peers' executor of the same number learns `what`.
+  static void report_setup_failure(P2P& p2p, const std::string& what);
 
   // Actions of `kinds` (compute kinds) run through `handler` from the next step on; an empty
   // list or a null handler restores the built-in computation. Call between steps.
@@ -83,6 +103,7 @@ class Executor {
     int handoff = -1;         // local index of the same-rank neighbour receiving the result
     bool to_send = false;     // result is sent later by a SEND action
     int comm_begin = 0, comm_end = 0;  // Comm: range in comms_
+    bool sync_grads = false;  // the stage's last backward (B or W) of a step, and it syncs grads
   };
   struct Comm {
     Kind kind;       // SEND_F / RECV_F / SEND_B / RECV_B
@@ -99,6 +120,7 @@ class Executor {
   };
 
   void build_dispatch();
+  void mark_gradient_sync();  // Entry::sync_grads, once the handles are known
   void run_entry(const Entry& e, TraceRecord& rec);
   // Runs the action of entries_[first] (all its entries) through custom_; returns the index
   // of its last entry.
@@ -121,6 +143,21 @@ class Executor {
   static constexpr int kStepStart = -2;
   // After a failure: unfinished batches stay alive (see P2P::abandon), step state is dropped.
   void abandon_in_flight();
+
+  // Step-start agreement (executor_agreement.cpp).
+  void ensure_watch();       // executor id + failure watch, on first use (groups of 2+ ranks)
+  void agree_before_step();  // program fingerprints (first step), then negotiate_shapes
+  // The first stage's rank sends the index of the step's input signature to every rank; a
+  // new signature runs the handshake (every rank learns it is new from the index).
+  void negotiate_shapes();
+  void adopt_shapes(int set);  // make shape set `set` the current one
+
+  // One negotiated signature set: the key (the first stage's step inputs) and what follows.
+  struct ShapeSet {
+    Signature key;
+    std::vector<StageSignatures> sigs;  // local index ->
+    std::vector<std::vector<TensorSpec>> grad_specs, in_grad_specs;
+  };
 
   Program program_;
   std::unique_ptr<P2P> p2p_;
@@ -148,6 +185,14 @@ class Executor {
   bool prepost_ = false; // receives are posted at step start (see ExecutorOptions)
   bool ready_ = false;   // handshake done
   bool broken_ = false;  // a step failed
+  std::vector<uint8_t> syncs_grads_;  // local index -> stage wants begin/end_gradient_sync
+  std::vector<ShapeSet> shape_sets_;  // in negotiation order (equal on every rank)
+  int current_set_ = -1;
+  int handshakes_ = 0;
+  int64_t steps_ = 0;                 // run() calls, for failure reports
+  int64_t id_ = -1;                   // executor id on the group (failure_watch.h)
+  bool agreed_ = false;               // program fingerprints compared
+  std::unique_ptr<FailureWatch> watch_;
 };
 
 // Tag of a data message: the boundary (lower stage of the edge), direction and microbatch,

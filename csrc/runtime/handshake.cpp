@@ -89,6 +89,7 @@ Message decode(const at::Tensor& t) {
 }  // namespace
 
 int handshake_tag(int stage, bool backward) { return kHandshakeTagBase + stage * 2 + (backward ? 1 : 0); }
+int step_signature_tag() { return kHandshakeTagBase + (1 << 28); }
 
 std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
                                                    const std::map<int, StageHandle*>& stages,

@@ -1,6 +1,7 @@
-// One-time pipeline handshake: each stage's output signature (shapes, dtypes, structure) flows
-// down the pipeline so every receiver knows its buffer shapes, then the outcome flows back up,
-// so a mismatch found at any stage fails every rank with the same message instead of a hang.
+// Pipeline handshake (the first step, and every step with a new input signature of the first
+// stage): each stage's output signature (shapes, dtypes, structure) flows down the pipeline so
+// every receiver knows its buffer shapes, then the outcome flows back up, so a mismatch found
+// at any stage fails every rank with the same message instead of a hang.
 #pragma once
 
 #include <chrono>
@@ -25,5 +26,7 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
 
 // Tags of the handshake messages, disjoint from the per-microbatch data tags.
 int handshake_tag(int stage, bool backward);
+// Tag of the per-step message naming the step's input signature (executor_agreement.cpp).
+int step_signature_tag();
 
 }  // namespace zbpipe::runtime

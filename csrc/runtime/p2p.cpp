@@ -3,8 +3,10 @@
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <algorithm>
 #include <mutex>
 
 #include "runtime/errors.h"
@@ -38,6 +40,7 @@ P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device)
 P2P::~P2P() = default;
 
 std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
+  if (aborted_) throw CommAborted("communication of this rank was aborted (a peer failed)");
   auto batch = std::make_shared<Batch>();
   batch->tensors.reserve(ops.size());
   auto issue = [&](P2POp& op) {
@@ -60,6 +63,7 @@ std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
     for (auto& op : ops) batch->works.push_back(issue(op));
   }
   for (auto& op : ops) batch->tensors.push_back(std::move(op.tensor));
+  track_live(batch);
   return batch;
 }
 
@@ -73,23 +77,72 @@ void P2P::abandon(std::shared_ptr<Batch> batch) {
 
 void P2P::wait(Batch& batch, std::chrono::milliseconds timeout, const std::string& what) {
   if (batch.done) return;
+  auto aborted = [&] { return CommAborted(::zbpipe::detail::str("waiting for ", what, " was aborted (a peer failed)")); };
+  if (aborted_) throw aborted();
   for (auto& w : batch.works) {
     if (!w) continue;
+    bool completed = true;
     try {
       if (host_blocking_) {
-        w->wait(timeout);
+        completed = w->wait(timeout);
       } else {
         w->wait();  // stream-ordered: never blocks the host
       }
     } catch (const std::exception& e) {
+      if (aborted_) throw aborted();
       throw PipelineError(::zbpipe::detail::str(
           "waiting for ", what, " failed on backend ", backend_name_, " (timeout ",
           timeout.count() / 1000.0, " s; a peer may have died or diverged): ", e.what()));
     }
+    if (!completed || aborted_) throw aborted();  // Work::wait returns false once aborted
   }
+  std::lock_guard<std::mutex> lock(live_mu_);  // abort_all reads the works
   batch.done = true;
   batch.works.clear();
   batch.tensors.clear();
+}
+
+// ---- abort (failure propagation, see failure_watch.h) ------------------------------------
+
+c10::intrusive_ptr<c10d::Store> P2P::store() const { return pg_->getStore(); }
+
+void P2P::track_live(const std::shared_ptr<Batch>& batch) {
+  std::lock_guard<std::mutex> lock(live_mu_);
+  if (live_.size() >= 64 && live_.size() % 64 == 0) {  // amortised pruning of finished batches
+    live_.erase(std::remove_if(live_.begin(), live_.end(),
+                               [](const std::weak_ptr<Batch>& w) {
+                                 auto b = w.lock();
+                                 return !b || b->done;
+                               }),
+                live_.end());
+  }
+  live_.push_back(batch);
+}
+
+void P2P::abort_all() {
+  if (aborted_.exchange(true)) return;
+  {
+    std::lock_guard<std::mutex> lock(live_mu_);
+    for (auto& weak : live_) {
+      auto b = weak.lock();
+      if (!b || b->done) continue;
+      for (auto& w : b->works) {
+        try {
+          if (w) w->abort();
+        } catch (const std::exception&) {
+          // A backend without Work::abort: its wait ends at its own timeout.
+        }
+      }
+    }
+  }
+  if (!host_blocking_) {
+    // Stream-ordered backends (NCCL): the host waits on nothing; abort the communicators so
+    // the kernels stuck on the failed peer end.
+    try {
+      pg_->abort();
+    } catch (const std::exception&) {
+    }
+  }
 }
 
 }  // namespace zbpipe::runtime

@@ -7,13 +7,16 @@
 #include <ATen/core/Tensor.h>
 #include <c10/util/intrusive_ptr.h>
 
+#include <atomic>
 #include <chrono>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
 namespace c10d {
 class ProcessGroup;
+class Store;
 }
 
 namespace zbpipe::runtime {
@@ -65,12 +68,24 @@ class P2P {
   // wait on the communication (the process group's own timeout watches the device side).
   // `what` (e.g. "1RECV_F0 from rank 0") goes into the error message.
   void wait(Batch& batch, std::chrono::milliseconds timeout, const std::string& what);
+  // The process group's c10d store (every group has one; null only for a group built without).
+  c10::intrusive_ptr<c10d::Store> store() const;
+
+  // Thread-safe (called from the failure watcher): aborts every posted, unfinished batch
+  // (Work::abort, and the backend's abort where waits do not block the host) so a wait blocked
+  // on one returns at once; from then on post and wait throw CommAborted. Irreversible: the
+  // group's pending traffic is lost.
+  void abort_all();
+  bool aborted() const { return aborted_.load(); }
+
   // Keeps an unfinished batch (its works and buffers) alive for the rest of the process: after
   // a failure a late message may still land in a posted receive buffer, which must not have
   // been freed. Costs the batch's memory, only on failure.
   static void abandon(std::shared_ptr<Batch> batch);
 
  private:
+  void track_live(const std::shared_ptr<Batch>& batch);
+
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   c10::Device device_;
   int rank_ = 0;
@@ -78,6 +93,10 @@ class P2P {
   bool coalesce_ = false;
   bool host_blocking_ = true;
   std::string backend_name_;
+  // Posted batches that abort_all may have to abort (pruned of finished ones as posts go).
+  std::mutex live_mu_;
+  std::vector<std::weak_ptr<Batch>> live_;
+  std::atomic<bool> aborted_{false};
 };
 
 }  // namespace zbpipe::runtime

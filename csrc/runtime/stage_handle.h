@@ -56,9 +56,27 @@ class StageHandle {
   // before its run_weight_work: the moment torch's dw_builder builds the runner W will call.
   virtual void weight_work_queued(int /*mb*/) {}
 
-  // Shape inference for the one-time pipeline handshake: given the signature arriving from
-  // the previous stage (empty structure on stage 0), returns this stage's output signature.
-  // The stage keeps the input structure to rebuild its arguments. A declared input signature
+  // Data parallelism around the stage (DDP, FSDP2): read once. When true the executor calls
+  // begin_gradient_sync right before the stage's last backward action of each step (its last
+  // B, or its last W) and end_gradient_sync right after it, so gradients are reduced once per
+  // step, after every microbatch's have accumulated. `roots`: that action's graph roots (the
+  // stage outputs or the loss for a B; empty for a W).
+  virtual bool syncs_gradients() const { return false; }
+  virtual void begin_gradient_sync(const std::vector<at::Tensor>& /*roots*/) {}
+  virtual void end_gradient_sync() {}
+
+  // First stage only, every step (unless static_shapes): the signature of this step's
+  // microbatch inputs (every microbatch of a step has the same), the key under which the
+  // pipeline's shapes are negotiated.
+  virtual Signature step_inputs() { return {}; }
+  // The executor switches back to signatures negotiated earlier: the input structure the
+  // stage should rebuild its arguments with (what infer_outputs received then).
+  virtual void use_inputs(const Signature& /*inputs*/) {}
+
+  // Shape inference for the pipeline handshake (at the first step and for every new input
+  // signature): given the signature arriving from the previous stage (empty structure on
+  // stage 0, which reads this step's arguments), returns this stage's output signature. The
+  // stage keeps the input structure to rebuild its arguments. A declared input signature
   // that disagrees is reported by throwing (the runtime tells every rank).
   virtual Signature infer_outputs(const Signature& inputs) = 0;
 };

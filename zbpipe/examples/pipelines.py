@@ -94,10 +94,15 @@ def build_pipeline(
     loss_fn: Callable[..., torch.Tensor] | None,
     group: dist.ProcessGroup | None = None,
     io_examples: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    wrap: Callable[[nn.Module], nn.Module] | None = None,
+    schedule_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Any, list[int]]:
     """Wraps this rank's stages of `modules` (all stages, indexed by stage) and builds the
     schedule. Returns (schedule, local stage indices). `io_examples(stage)` gives example
-    (input, output) microbatch tensors for static shape declaration."""
+    (input, output) microbatch tensors for static shape declaration; `wrap(module)` wraps each
+    local stage module (e.g. in DistributedDataParallel over its replica group) and `group` is
+    the pipeline's process group (default: the world); `schedule_kwargs` go to the schedule
+    class (e.g. zbpipe's static_shapes=True)."""
     spec = spec_for(schedule)
     if lib == "torch" and not spec.in_torch:
         raise ValueError(f"torch.distributed.pipelining 2.13 has no {spec.class_name} schedule")
@@ -109,8 +114,9 @@ def build_pipeline(
         kwargs: dict[str, Any] = {"group": group}
         if io_examples is not None:
             kwargs["input_args"], kwargs["output_args"] = io_examples(s)
-        stages.append(mod.PipelineStage(modules[s].to(device), s, num_stages, device, **kwargs))
+        module = modules[s].to(device)
+        stages.append(mod.PipelineStage(wrap(module) if wrap else module, s, num_stages, device, **kwargs))
     cls = getattr(mod, "Schedule" + spec.class_name)
     # Single-stage schedule classes take the stage itself, multi-stage ones the list (PyTorch's API).
     arg = stages[0] if spec.stages_per_rank == 1 else stages
-    return cls(arg, n_microbatches, loss_fn=loss_fn), local
+    return cls(arg, n_microbatches, loss_fn=loss_fn, **(schedule_kwargs or {})), local

@@ -1,0 +1,119 @@
+// What the ranks agree on before a step: the program (once), the step's shapes (every step
+// unless static_shapes), and the store keys through which a failure reaches every rank.
+#include <ATen/ops/empty.h>
+#include <ATen/ops/full.h>
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include "runtime/errors.h"
+#include "runtime/executor.h"
+#include "runtime/program_agreement.h"
+
+namespace zbpipe::runtime {
+
+namespace {
+
+std::vector<TensorSpec> differentiable(const std::vector<TensorSpec>& specs) {
+  std::vector<TensorSpec> out;
+  for (const auto& s : specs)
+    if (s.differentiable()) out.push_back(s);
+  return out;
+}
+
+bool same(const Signature& a, const Signature& b) { return a.specs == b.specs && a.structure == b.structure; }
+
+}  // namespace
+
+void Executor::ensure_watch() {
+  if (watch_ || program_.pp < 2) return;
+  auto store = p2p_->store();
+  if (!store) return;  // a group without a store: no propagation, no program agreement
+  id_ = next_executor_id(*store, rank_);
+  P2P* p2p = p2p_.get();
+  watch_ = std::make_unique<FailureWatch>(store, detail::str("zbpipe/x", id_, "/failure"), rank_,
+                                          [p2p] { p2p->abort_all(); });
+}
+
+void Executor::report_setup_failure(P2P& p2p, const std::string& what) {
+  auto store = p2p.store();
+  if (!store || p2p.size() < 2) return;
+  try {
+    const int64_t id = next_executor_id(*store, p2p.rank());  // the number the peers' executor has
+    publish_failure(*store, detail::str("zbpipe/x", id, "/failure"),
+                    StepFailure{p2p.rank(), "(building the executor)", 1, what});
+  } catch (const std::exception&) {
+  }
+}
+
+void Executor::agree_before_step() {
+  if (!agreed_ && watch_) {
+    agree_on_program(*p2p_->store(), detail::str("zbpipe/x", id_, "/"), rank_, program_.pp,
+                     program_fingerprint(program_, options_.static_shapes), options_.timeout, *watch_);
+  }
+  agreed_ = true;
+  negotiate_shapes();
+}
+
+void Executor::negotiate_shapes() {
+  if (options_.static_shapes && ready_) return;
+  const int r0 = program_.rank_of(0);
+  int64_t index = 0;  // static_shapes: the first (only) set
+  Signature key;
+  if (!options_.static_shapes) {
+    auto opts = at::TensorOptions().dtype(at::kLong).device(p2p_->device());
+    if (rank_ == r0) {
+      key = stages_[0]->step_inputs();  // stage 0 is the lowest local stage of its rank
+      index = static_cast<int64_t>(shape_sets_.size());
+      for (size_t i = 0; i < shape_sets_.size(); ++i)
+        if (same(shape_sets_[i].key, key)) index = static_cast<int64_t>(i);
+      for (int r = 0; r < program_.pp; ++r)
+        if (r != rank_)  // waited at the end of the step, with the step's other sends
+          pending_sends_.push_back(p2p_->post({P2POp{true, r, step_signature_tag(), at::full({1}, index, opts)}}));
+    } else {
+      auto buf = at::empty({1}, opts);
+      auto batch = p2p_->post({P2POp{false, r0, step_signature_tag(), buf}});
+      try {
+        p2p_->wait(*batch, options_.timeout, detail::str("the step's input signature from rank ", r0));
+      } catch (...) {
+        P2P::abandon(batch);
+        throw;
+      }
+      index = buf.cpu().item<int64_t>();  // a device backend: the host waits for it here
+    }
+  }
+  ZB_CHECK(index >= 0 && index <= static_cast<int64_t>(shape_sets_.size()), "rank ", r0,
+           " named input signature ", index, " but ", shape_sets_.size(), " are known here");
+  if (index < static_cast<int64_t>(shape_sets_.size())) {
+    if (index != current_set_) adopt_shapes(static_cast<int>(index));
+    return;
+  }
+  // A signature no step had: every rank runs the handshake for it.
+  std::map<int, StageHandle*> handles;
+  for (size_t i = 0; i < stage_ids_.size(); ++i) handles[stage_ids_[i]] = stages_[i].get();
+  auto sigs = exchange_signatures(program_, *p2p_, handles, options_.timeout);
+  ++handshakes_;
+  ShapeSet set;
+  set.key = std::move(key);
+  for (int s : stage_ids_) {
+    set.sigs.push_back(sigs.at(s));
+    set.grad_specs.push_back(differentiable(set.sigs.back().outputs.specs));
+    set.in_grad_specs.push_back(differentiable(set.sigs.back().inputs.specs));
+  }
+  shape_sets_.push_back(std::move(set));
+  current_set_ = -1;  // infer_outputs already left the stages on these inputs
+  adopt_shapes(static_cast<int>(shape_sets_.size()) - 1);
+}
+
+void Executor::adopt_shapes(int set) {
+  const ShapeSet& s = shape_sets_[set];
+  if (current_set_ >= 0)  // switching back to an earlier set: restore the stages' input structure
+    for (size_t l = 0; l < stages_.size(); ++l)
+      if (stage_ids_[l] > 0) stages_[l]->use_inputs(s.sigs[l].inputs);
+  sigs_ = s.sigs;
+  grad_specs_ = s.grad_specs;
+  in_grad_specs_ = s.in_grad_specs;
+  current_set_ = set;
+  ready_ = true;
+}
+
+}  // namespace zbpipe::runtime

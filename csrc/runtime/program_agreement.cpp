@@ -1,0 +1,95 @@
+// Program fingerprints, exchanged once per executor through the store.
+#include "runtime/program_agreement.h"
+
+#include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <algorithm>
+#include <cstdio>
+#include <thread>
+
+#include "runtime/errors.h"
+#include "runtime/failure_watch.h"
+
+namespace zbpipe::runtime {
+
+namespace {
+
+uint64_t fnv1a(uint64_t h, const std::string& s) {
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+
+}  // namespace
+
+std::string program_fingerprint(const Program& p, bool static_shapes) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t r = 0; r < p.ranks.size(); ++r) {
+    h = fnv1a(h, "|rank" + std::to_string(r));
+    for (const auto& a : p.ranks[r]) h = fnv1a(h, " " + to_string(a));
+  }
+  std::string placement;
+  for (size_t s = 0; s < p.stage_to_rank.size(); ++s)
+    placement += (s ? "," : "") + std::to_string(p.stage_to_rank[s]);
+  char hash[20];
+  std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(h));
+  return detail::str("schedule=", p.schedule, " pp=", p.pp, " stages=", p.num_stages,
+                     " microbatches=", p.microbatches, " stage_to_rank=[", placement,
+                     "] actions=#", hash, " static_shapes=", static_shapes ? 1 : 0);
+}
+
+namespace {
+
+void agree(c10d::Store& store, const std::string& key_prefix, int rank, int size,
+           const std::string& fingerprint, std::chrono::milliseconds timeout, FailureWatch& watch) {
+  auto key = [&](int r) { return detail::str(key_prefix, "program/rank", r); };
+  store.set(key(rank), std::vector<uint8_t>(fingerprint.begin(), fingerprint.end()));
+  std::vector<std::string> peers;
+  for (int r = 0; r < size; ++r)
+    if (r != rank) peers.push_back(key(r));
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  auto pause = std::chrono::milliseconds(1);
+  while (!store.check(peers)) {
+    if (auto f = watch.poll_now())
+      throw PipelineError(detail::str("before the first step, ", f->describe()));
+    if (std::chrono::steady_clock::now() > deadline) {
+      std::string missing;
+      for (int r = 0; r < size; ++r)
+        if (r != rank && !store.check({key(r)})) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+      throw PipelineError(detail::str(
+          "no program from rank ", missing, " within ", timeout.count() / 1000.0,
+          " s (the ranks compare programs before the first step; a peer failed before it, or "
+          "runs another number of schedules on this process group)"));
+    }
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::milliseconds(50));
+  }
+  for (int r = 0; r < size; ++r) {
+    if (r == rank) continue;
+    auto v = store.get(key(r));
+    std::string theirs(v.begin(), v.end());
+    if (theirs != fingerprint)
+      throw PipelineError(detail::str("the ranks run different programs: rank ", rank, " runs ",
+                                      fingerprint, "; rank ", r, " runs ", theirs));
+  }
+}
+
+}  // namespace
+
+void agree_on_program(c10d::Store& store, const std::string& key_prefix, int rank, int size,
+                      const std::string& fingerprint, std::chrono::milliseconds timeout,
+                      FailureWatch& watch) {
+  try {
+    agree(store, key_prefix, rank, size, fingerprint, timeout, watch);
+  } catch (const PipelineError&) {
+    throw;
+  } catch (const std::exception& e) {
+    throw PipelineError(detail::str(
+        "comparing the ranks' programs through the process group's store failed (the rank "
+        "hosting the store may have exited): ", e.what()));
+  }
+}
+
+}  // namespace zbpipe::runtime
