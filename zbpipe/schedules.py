@@ -75,6 +75,9 @@ class PipelineSchedule:
         prepost_receives: on Gloo, post every receive of a step when it starts (a send then
             finds its receive waiting); False posts each at its RECV action, as on NCCL,
             holding fewer receive buffers at a time.
+        stream_ordered: post and wait as on NCCL (every batch coalesced where the backend
+            can, receives at their RECV action, waits polled against the timeout). None: from
+            the device (True off the CPU); True on a CPU group runs NCCL's discipline over Gloo.
     """
 
     schedule: str = ""
@@ -94,6 +97,7 @@ class PipelineSchedule:
         device_timing: bool = False,
         compile_options: dict | None = None,
         prepost_receives: bool = True,
+        stream_ordered: bool | None = None,
         _program: _C.Program | None = None,
     ):
         if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
@@ -116,6 +120,7 @@ class PipelineSchedule:
         self._timeout = float(timeout)
         self._device_timing = device_timing
         self._prepost_receives = prepost_receives
+        self._stream_ordered = stream_ordered
         self._group = group
         pp = self._stages[0].group_size
         num_stages = self._stages[0].num_stages
@@ -157,6 +162,7 @@ class PipelineSchedule:
                 self._timeout,
                 self._device_timing,
                 self._prepost_receives,
+                self._stream_ordered,
             )
         return self._executor
 

@@ -6,6 +6,7 @@
 #include <ATen/ops/zeros_like.h>
 
 #include "runtime/errors.h"
+#include "zbpipe/passes.h"
 
 namespace zbpipe::runtime {
 
@@ -47,6 +48,9 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
                                     "] on rank ", rank_, ", but this rank was given stages [",
                                     got, "]"));
   }
+  // Stream-ordered backends: refuse a program whose posts would deadlock there (a send
+  // completes only once its receive is posted), before any message.
+  if (p2p_->stream_ordered() && program_.pp > 1) validate_rendezvous(program_);
   build_dispatch();
   for (const auto& h : stages_) queues_weight_.push_back(h->queues_weight_work() ? 1 : 0);
   split_plans_.resize(stages_.size());
@@ -116,15 +120,21 @@ void Executor::build_dispatch() {
     trace_.push_back(TraceRecord{to_string(a), rank_, index});
   };
 
+  // Batches as the core's comm_batches defines them (the rendezvous check models the same).
+  const auto batches = comm_batches(acts, /*split_overlap=*/false);
+  size_t next_batch = 0;
   for (size_t i = 0; i < acts.size();) {
     const Action& a = acts[i];
     if (is_comm(a.kind)) {
+      ZB_CHECK(next_batch < batches.size() && batches[next_batch].begin == static_cast<int>(i),
+               "comm action '", to_string(a), "' outside a batch");
+      const CommBatch& batch = batches[next_batch++];
       Entry e{};
       e.op = Op::Comm;
       e.index = static_cast<int>(i);
       e.comm_begin = static_cast<int>(comms_.size());
       std::string name;
-      for (; i < acts.size() && is_comm(acts[i].kind); ++i) {
+      for (; static_cast<int>(i) < batch.end; ++i) {
         const Action& c = acts[i];
         Comm k{c.kind, c.stage, local(c.stage, c), c.microbatch, -1, 0, static_cast<int>(i), {}};
         ZB_CHECK(c.microbatch >= 0 && c.microbatch < m, "action '", to_string(c),
@@ -158,6 +168,7 @@ void Executor::build_dispatch() {
 }
 
 void Executor::abandon_in_flight() {
+  p2p_->abandon_watched();
   for (auto& b : pending_sends_) P2P::abandon(std::move(b));
   pending_sends_.clear();
   for (auto& sl : slots_) {
@@ -199,7 +210,7 @@ void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vec
 void Executor::wait_recv(std::shared_ptr<Batch>& batch, int comm, TraceRecord& rec) {
   if (!batch) return;  // an empty message (nothing differentiable crossed)
   const int64_t t0 = now_ns();
-  p2p_->wait(*batch, options_.timeout, comms_[comm].desc);
+  p2p_->wait(batch, options_.timeout, comms_[comm].desc);
   rec.wait_ns += now_ns() - t0;
   batch.reset();
 }
@@ -396,7 +407,8 @@ void Executor::run(double loss_scale) {
     rec.host_end_ns = now_ns();
   }
   try {
-    for (auto& b : pending_sends_) p2p_->wait(*b, options_.timeout, "a send of this step");
+    for (auto& b : pending_sends_) p2p_->wait(b, options_.timeout, "a send of this step");
+    p2p_->settle();  // stream-ordered: every wait of the step seen complete, each by its deadline
   } catch (const std::exception& ex) {
     abandon_in_flight();
     fail(-1, ex.what());
