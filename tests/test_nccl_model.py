@@ -114,10 +114,14 @@ CROSS = (
 )
 
 
-def test_rendezvous_deadlock_found_by_model_validator_and_executor():
+def test_rendezvous_deadlock_found_by_model_validator_and_executor(tmp_path):
     prog = zbpipe.Program.from_actions(list(CROSS), [0, 1], 3)  # buffered: valid
     with pytest.raises(zbpipe.ScheduleError, match=r"deadlock with rendezvous sends.*'0SEND_F1' waits for rank 1"):
         zbpipe.Program.from_actions(list(CROSS), [0, 1], 3, rendezvous=True)
+    prog.to_csv(str(tmp_path / "cross.csv"))
+    zbpipe.Program.from_csv(str(tmp_path / "cross.csv"))
+    with pytest.raises(zbpipe.ScheduleError, match=r"rank 0 waits at '0B0' for its batch '0RECV_B0'"):
+        zbpipe.Program.from_csv(str(tmp_path / "cross.csv"), rendezvous=True)
     with pytest.raises(zbpipe.ScheduleError, match="deadlock with rendezvous sends"):
         _C.validate(prog, rendezvous=True)
     # What the executor posts for it, each batch coalesced: the model finds the same cycle.

@@ -78,6 +78,11 @@ class PipelineSchedule:
         stream_ordered: post and wait as on NCCL (every batch coalesced where the backend
             can, receives at their RECV action, waits polled against the timeout). None: from
             the device (True off the CPU); True on a CPU group runs NCCL's discipline over Gloo.
+        overlap_f_b: run the two halves of each OVERLAP_F_B unit (DualPipeV) at the same time:
+            the backward (C++ autograd) on a worker thread, with its own stream on
+            accelerators, while this thread runs the forward; the forward's SEND goes out as
+            soon as it finishes. False runs them in sequence. Only the executor's own halves
+            overlap: no hook for model-level overlap (MoE dispatch/combine) yet.
     """
 
     schedule: str = ""
@@ -98,6 +103,7 @@ class PipelineSchedule:
         compile_options: dict | None = None,
         prepost_receives: bool = True,
         stream_ordered: bool | None = None,
+        overlap_f_b: bool = True,
         _program: _C.Program | None = None,
     ):
         if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
@@ -121,6 +127,7 @@ class PipelineSchedule:
         self._device_timing = device_timing
         self._prepost_receives = prepost_receives
         self._stream_ordered = stream_ordered
+        self._overlap_f_b = overlap_f_b
         self._group = group
         pp = self._stages[0].group_size
         num_stages = self._stages[0].num_stages
@@ -163,6 +170,7 @@ class PipelineSchedule:
                 self._device_timing,
                 self._prepost_receives,
                 self._stream_ordered,
+                self._overlap_f_b,
             )
         return self._executor
 
@@ -217,7 +225,7 @@ ScheduleLoopedBFS = _schedule_class("ScheduleLoopedBFS", "looped_bfs", "Looped b
 ScheduleInterleaved1F1B = _schedule_class("ScheduleInterleaved1F1B", "interleaved_1f1b", "Interleaved 1F1B (Megatron virtual stages).")
 ScheduleInterleavedZeroBubble = _schedule_class("ScheduleInterleavedZeroBubble", "interleaved_zb", "Interleaved zero bubble (ZB1P).")
 ScheduleZBVZeroBubble = _schedule_class("ScheduleZBVZeroBubble", "zbv", "Zero bubble V schedule (two stages per rank).")
-ScheduleDualPipeV = _schedule_class("ScheduleDualPipeV", "dualpipev", "DualPipeV (overlapped F/B pairs on a V).")
+ScheduleDualPipeV = _schedule_class("ScheduleDualPipeV", "dualpipev", "DualPipeV on a V: the forward and backward of each OVERLAP_F_B pair run concurrently (overlap_f_b=False: in sequence).")
 ScheduleZBH1 = _schedule_class("ScheduleZBH1", "zb_h1", "Zero bubble H1 (1F1B memory).")
 ScheduleZBH2 = _schedule_class("ScheduleZBH2", "zb_h2", "Zero bubble H2 (zero bubble, more memory).")
 ScheduleZBAuto = _schedule_class("ScheduleZBAuto", "zb_auto", "Cost-driven zero bubble under an activation cap (pass compile_options with measured costs).")

@@ -314,7 +314,8 @@ void register_runtime(py::module_& m) {
       "Runs one rank's lowered program over a c10d process group (see csrc/runtime/executor.h).")
       .def(py::init([](const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                        const py::dict& stages, const at::Device& device, double timeout_s,
-                       bool device_timing, bool prepost_receives, std::optional<bool> stream_ordered) {
+                       bool device_timing, bool prepost_receives, std::optional<bool> stream_ordered,
+                       bool overlap_f_b) {
              std::map<int, std::shared_ptr<runtime::StageHandle>> handles;
              for (auto [k, v] : stages)
                handles[k.cast<int>()] = std::make_shared<PyStage>(py::reinterpret_borrow<py::object>(v));
@@ -322,6 +323,7 @@ void register_runtime(py::module_& m) {
              opts.timeout = std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000.0));
              opts.device_timing = device_timing;
              opts.prepost_receives = prepost_receives;
+             opts.overlap_f_b = overlap_f_b;
              runtime::P2POptions p2p_opts;
              p2p_opts.stream_ordered = stream_ordered;
              return std::make_unique<runtime::Executor>(
@@ -329,7 +331,8 @@ void register_runtime(py::module_& m) {
            }),
            py::arg("program"), py::arg("process_group"), py::arg("stages"), py::arg("device"),
            py::arg("timeout_s") = 300.0, py::arg("device_timing") = false,
-           py::arg("prepost_receives") = true, py::arg("stream_ordered") = py::none())
+           py::arg("prepost_receives") = true, py::arg("stream_ordered") = py::none(),
+           py::arg("overlap_f_b") = true)
       .def("run", &runtime::Executor::run, py::arg("loss_scale") = 1.0,
            py::call_guard<py::gil_scoped_release>(),
            "Runs one step of the program; each microbatch loss backpropagates `loss_scale` (the GIL "

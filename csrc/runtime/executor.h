@@ -12,6 +12,7 @@
 
 #include "runtime/device.h"
 #include "runtime/handshake.h"
+#include "runtime/overlap_worker.h"
 #include "runtime/p2p.h"
 #include "runtime/stage_backward.h"
 #include "runtime/stage_handle.h"
@@ -28,6 +29,11 @@ struct ExecutorOptions {
   // message; otherwise it waits for a receive-ready notice from the peer (an extra round trip
   // through both ranks' transport threads). Costs the step's receive buffers up front.
   bool prepost_receives = true;
+  // Run the halves of an OVERLAP_F_B unit (a forward and a backward of different stages) at
+  // the same time: the backward (C++ autograd) on a worker thread -- with its own stream on
+  // accelerators, joined back by an event -- while this thread runs the forward (Python); the
+  // forward's SEND goes out as soon as it finishes. False runs them in sequence.
+  bool overlap_f_b = true;
 };
 
 class Executor {
@@ -64,6 +70,8 @@ class Executor {
     int handoff = -1;         // local index of the same-rank neighbour receiving the result
     bool to_send = false;     // result is sent later by a SEND action
     int comm_begin = 0, comm_end = 0;  // Comm: range in comms_
+    bool on_worker = false;   // the backward half of an overlapped unit: runs on worker_
+    bool concurrent = false;  // runs while worker_ may be busy (the forward half, its SEND)
   };
   struct Comm {
     Kind kind;       // SEND_F / RECV_F / SEND_B / RECV_B
@@ -81,6 +89,13 @@ class Executor {
 
   void build_dispatch();
   void run_entry(const Entry& e, TraceRecord& rec);
+  // B or I after its receive: the backward and the input gradients it hands on. `consumer`:
+  // on the worker, the caller's stream, on which tensors made here are recorded.
+  void run_backward(const Entry& e, const c10::Stream* consumer);
+  // Waits the receive of entries_[i] here, then runs its backward on the worker.
+  void start_on_worker(size_t i);
+  // Joins the worker if busy; a failure of its backward half fails the step at that unit.
+  void join_worker();
   // Posts the sends of a comm entry and, unless they were preposted, its receives.
   void post_comm(const Entry& e);
   // Allocates the slot's buffers for receive action `k` and appends its receive ops.
@@ -118,6 +133,8 @@ class Executor {
   std::vector<std::shared_ptr<Batch>> pending_sends_;
   std::vector<TraceRecord> trace_;
   std::unique_ptr<DeviceTimer> timer_;
+  std::unique_ptr<OverlapWorker> worker_;  // created at the first overlapped unit
+  int worker_index_ = -1;                  // action index of the unit the worker runs
   bool prepost_ = false; // receives are posted at step start (see ExecutorOptions)
   bool ready_ = false;   // handshake done
   bool broken_ = false;  // a step failed

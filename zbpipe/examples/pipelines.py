@@ -91,10 +91,12 @@ def build_pipeline(
     loss_fn: Callable[..., torch.Tensor] | None,
     group: dist.ProcessGroup | None = None,
     io_examples: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
+    schedule_kwargs: dict[str, Any] | None = None,
 ) -> tuple[Any, list[int]]:
     """Wraps this rank's stages of `modules` (all stages, indexed by stage) and builds the
     schedule. Returns (schedule, local stage indices). `io_examples(stage)` gives example
-    (input, output) microbatch tensors for static shape declaration."""
+    (input, output) microbatch tensors for static shape declaration; `schedule_kwargs` go to
+    the schedule class (library-specific options)."""
     spec = spec_for(schedule)
     if lib == "torch" and not spec.in_torch:
         raise ValueError(f"torch.distributed.pipelining 2.13 has no {spec.class_name} schedule")
@@ -110,4 +112,4 @@ def build_pipeline(
     cls = getattr(mod, "Schedule" + spec.class_name)
     # Single-stage schedule classes take the stage itself, multi-stage ones the list (PyTorch's API).
     arg = stages[0] if spec.stages_per_rank == 1 else stages
-    return cls(arg, n_microbatches, loss_fn=loss_fn), local
+    return cls(arg, n_microbatches, loss_fn=loss_fn, **(schedule_kwargs or {})), local
