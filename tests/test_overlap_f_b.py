@@ -100,6 +100,7 @@ def test_halves_run_at_the_same_time_and_gradients_stay_exact():
         f = next(r for r in trace if r["action"] == f"{f_stage}F{f_mb}")
         b = next(r for r in trace if r["action"] in (f"{b_stage}B{b_mb}", f"{b_stage}I{b_mb}"))
         assert f["index"] == b["index"]  # both name the unit's position in the program
+        assert b["worker"] and not f["worker"]
         assert b["host_start_ns"] < f["host_end_ns"] and f["host_start_ns"] < b["host_end_ns"], (f, b)
 
 
@@ -148,3 +149,22 @@ def test_forward_send_goes_out_while_the_backward_half_runs():
     out = run_threads(world, lambda r: rank_main(r, False), timeout=60)
     assert all(v is None for v in out.values()), out
     assert all(seen[r] == [False] for r in range(pp)), seen
+
+
+def test_lowering_puts_the_forward_send_first_and_batches_split_it_off():
+    for pp in (2, 4):
+        prog = zbpipe.compile("dualpipev", pp, 2 * pp)
+        for r in range(pp):
+            acts = prog.actions(r)
+            split = {b: e for b, e, early in _C.comm_batches(prog, r, split_overlap=True) if early}
+            whole = [(b, e) for b, e, _ in _C.comm_batches(prog, r, split_overlap=False)]
+            expected = set()
+            for i, a in enumerate(acts):
+                if (u := UNIT.match(a)) and int(u.group(1)) + 1 < 2 * pp and prog.stage_to_rank[int(u.group(1)) + 1] != r:
+                    assert acts[i + 1] == f"{u.group(1)}SEND_F{u.group(2)}", (r, acts[i:i + 3])
+                    expected.add(i + 1)
+            assert expected and set(split) == expected and all(split[b] == b + 1 for b in split), (r, split)
+            # Without the split, every batch is a maximal run of adjacent SEND/RECV actions.
+            comm = [i for i, a in enumerate(acts) if "SEND" in a or "RECV" in a]
+            assert [i for b, e in whole for i in range(b, e)] == comm
+            assert all(e == len(acts) or not ("SEND" in acts[e] or "RECV" in acts[e]) for _, e in whole)

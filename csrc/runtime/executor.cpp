@@ -221,6 +221,7 @@ void Executor::start_on_worker(size_t i) {
     const Entry& e = entries_[i];
     TraceRecord& rec = trace_[i];
     rec.host_start_ns = now_ns();  // the backward itself, as it overlaps the forward half
+    rec.worker = true;
     timer_->mark(i, false);
     run_backward(e, consumer ? &*consumer : nullptr);
     timer_->mark(i, true);

@@ -1,7 +1,10 @@
 // The executor: walks one rank's lowered program, posting receives (all at step start on
 // tag-matched backends such as Gloo, else at their RECV action), waiting on them right before
 // the compute that needs them, calling the stages' forwards, running their backward (B, or I
-// then W) on the autograd engine, and sending adjacent communication actions as one batch.
+// then W) on the autograd engine, and sending each batch of adjacent communication actions
+// (zbpipe::comm_batches) as one post. On stream-ordered backends (NCCL) it first checks the
+// program with rendezvous sends (validate_rendezvous). OVERLAP_F_B units run their backward
+// half on a worker thread while the forward half runs here (ExecutorOptions::overlap_f_b).
 // The dispatch table is built once per program; a step allocates only its receive buffers.
 #pragma once
 
