@@ -182,6 +182,8 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
             if rank == 0 and a["overlap"]:
                 _print_overlap_row(size, schedule, med.get("zbpipe:seq"), med.get("zbpipe"), float(floor_t),
                                    med.get("torch"), best.get("zbpipe:seq"), best.get("zbpipe"))
+                if "zbpipe" in runs:
+                    print(_trace_overlap(runs["zbpipe"][0].trace()), flush=True)
             elif rank == 0:
                 _print_row(size, schedule, med.get("torch"), med.get("zbpipe"), float(floor_t), one_proc,
                            best.get("torch"), best.get("zbpipe"))
@@ -195,6 +197,21 @@ def _print_row(size, schedule, torch_t, zb_t, floor, one_proc, torch_min, zb_min
     ratio = f"{zb_t / torch_t:8.2f}" if torch_t and zb_t else f"{'n/a':>8}"
     print(f"{size:<7} {schedule:<17} {_ms(torch_t)} {_ms(zb_t)} {ratio} {_ms(floor)} {_ms(one_proc)}"
           f" {_ms(torch_min)} {_ms(zb_min)}", flush=True)
+
+
+def _trace_overlap(trace: list[dict]) -> str:
+    """Rank 0's last step: how much of each unit's backward half (the worker's record) overlaps
+    the forward half recorded at the same program index."""
+    units, overlap, backward = 0, 0.0, 0.0
+    for b in (r for r in trace if r.get("worker")):
+        f = next((r for r in trace if r["index"] == b["index"] and not r.get("worker")), None)
+        if f is None:
+            continue
+        units += 1
+        backward += (b["host_end_ns"] - b["host_start_ns"]) / 1e6
+        overlap += max(0, min(f["host_end_ns"], b["host_end_ns"]) - max(f["host_start_ns"], b["host_start_ns"])) / 1e6
+    return (f"#   trace, rank 0, last step: {units} OVERLAP_F_B units, forward and backward halves "
+            f"overlapped {overlap:.1f} ms of the backward halves' {backward:.1f} ms")
 
 
 def _print_overlap_row(size, schedule, seq_t, ov_t, floor, torch_t, seq_min, ov_min) -> None:
