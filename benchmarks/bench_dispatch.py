@@ -3,6 +3,9 @@
     PYTHONPATH=. python benchmarks/bench_dispatch.py            # CPU, Gloo, pp=2, 16 microbatches
     PYTHONPATH=. python benchmarks/bench_dispatch.py --device cuda   # NCCL, one GPU per rank
     PYTHONPATH=. python benchmarks/bench_dispatch.py --gloo-devices 1   # a plain one-device Gloo group
+    PYTHONPATH=. python benchmarks/bench_dispatch.py --overlap   # DualPipeV, OVERLAP_F_B on vs off
+    PYTHONPATH=. python benchmarks/bench_dispatch.py --pp 1 --device cuda --sizes tiny   # one GPU:
+        # host overhead of multi-stage schedules on one rank (no communication)
 
 Both libraries run in the same spawned ranks, alternating repetition by repetition, after
 warm-up; each cell is the median over repetitions of (time of `--steps` steps) / steps, measured
@@ -17,6 +20,10 @@ from one repetition to the next, for both libraries: compare medians of the same
 `static ms` is zbpipe with static_shapes=True (library `zbpipe-static`): no per-step message
 naming the step's input signature; `zb/static` is the per-step cost of being ready to
 renegotiate shapes (zbpipe's default). Target: zbpipe/torch <= 0.5.
+`--overlap` compares zbpipe with itself instead: DualPipeV on compute-bound stages (`medium`,
+`block`) with its OVERLAP_F_B units run overlapped (the backward half on a worker thread while
+the forward half runs) and in sequence (`overlap_f_b=False`); `ovl/seq` is the ratio of the
+medians. On a CPU the two halves share the rank's cores (torch threads per rank: `--threads`).
 """
 
 from __future__ import annotations
@@ -124,13 +131,18 @@ def _one_process(size, mbs, reps, device) -> float:
     return statistics.median(times[1:])
 
 
+# Library variants: "zbpipe:seq" is zbpipe with OVERLAP_F_B units run in sequence.
+VARIANTS = {"zbpipe:seq": ("zbpipe", {"overlap_f_b": False}),
+            "zbpipe-static": ("zbpipe", {"static_shapes": True})}
+
+
 def _build(lib, schedule, size, num_stages, rank, world, device, mbs):
     """(schedule, local stages, params), or None on every rank if any rank cannot build it."""
     modules = _modules(size, num_stages, 0)
-    static = lib == "zbpipe-static"
+    base, kwargs = VARIANTS.get(lib, (lib, None))
     try:
-        sched, local = build_pipeline("zbpipe" if static else lib, schedule, modules, rank, world, device,
-                                      mbs, _mse, schedule_kwargs={"static_shapes": True} if static else None)
+        sched, local = build_pipeline(base, schedule, modules, rank, world, device, mbs, _mse,
+                                      schedule_kwargs=kwargs)
         err = None
     except (ValueError, TypeError, AttributeError, NotImplementedError, RuntimeError) as e:
         err = f"{type(e).__name__}: {e}"
@@ -149,7 +161,7 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
         g = torch.Generator().manual_seed(1)
         x = torch.randn(batch, generator=g).to(device)
         y = torch.randn(batch, generator=g).to(device)
-        one_proc = _one_process(size, mbs, reps, device) if rank == 0 else 0.0
+        one_proc = _one_process(size, mbs, reps, device) if rank == 0 and not a["overlap"] else 0.0
         for schedule in a["schedules"]:
             num_stages = num_stages_for(schedule, world)
             runs = {}
@@ -169,7 +181,12 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
             dist.all_reduce(floor_t, op=dist.ReduceOp.MAX)
             med = {lib: statistics.median(t) for lib, t in times.items()}
             best = {lib: min(t) for lib, t in times.items()}
-            if rank == 0:
+            if rank == 0 and a["overlap"]:
+                _print_overlap_row(size, schedule, med.get("zbpipe:seq"), med.get("zbpipe"), float(floor_t),
+                                   med.get("torch"), best.get("zbpipe:seq"), best.get("zbpipe"))
+                if "zbpipe" in runs:
+                    print(_trace_overlap(runs["zbpipe"][0].trace()), flush=True)
+            elif rank == 0:
                 _print_row(size, schedule, med.get("torch"), med.get("zbpipe"), float(floor_t), one_proc,
                            best.get("torch"), best.get("zbpipe"), med.get("zbpipe-static"))
 
@@ -183,6 +200,27 @@ def _print_row(size, schedule, torch_t, zb_t, floor, one_proc, torch_min, zb_min
     dyn = f"{zb_t / static_t:9.3f}" if static_t and zb_t else f"{'n/a':>9}"
     print(f"{size:<7} {schedule:<17} {_ms(torch_t)} {_ms(zb_t)} {ratio} {_ms(floor)} {_ms(one_proc)}"
           f" {_ms(torch_min)} {_ms(zb_min)} {_ms(static_t)} {dyn}", flush=True)
+
+
+def _trace_overlap(trace: list[dict]) -> str:
+    """Rank 0's last step: how much of each unit's backward half (the worker's record) overlaps
+    the forward half recorded at the same program index."""
+    units, overlap, backward = 0, 0.0, 0.0
+    for b in (r for r in trace if r.get("worker")):
+        f = next((r for r in trace if r["index"] == b["index"] and not r.get("worker")), None)
+        if f is None:
+            continue
+        units += 1
+        backward += (b["host_end_ns"] - b["host_start_ns"]) / 1e6
+        overlap += max(0, min(f["host_end_ns"], b["host_end_ns"]) - max(f["host_start_ns"], b["host_start_ns"])) / 1e6
+    return (f"#   trace, rank 0, last step: {units} OVERLAP_F_B units, forward and backward halves "
+            f"overlapped {overlap:.1f} ms of the backward halves' {backward:.1f} ms")
+
+
+def _print_overlap_row(size, schedule, seq_t, ov_t, floor, torch_t, seq_min, ov_min) -> None:
+    ratio = f"{ov_t / seq_t:8.2f}" if seq_t and ov_t else f"{'n/a':>8}"
+    print(f"{size:<7} {schedule:<17} {_ms(seq_t)} {_ms(ov_t)} {ratio} {_ms(floor)} {_ms(torch_t)}"
+          f" {_ms(seq_min)} {_ms(ov_min)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -202,7 +240,19 @@ def main(argv: list[str] | None = None) -> int:
                    help="Gloo devices (connections + transport threads) on loopback; both libraries "
                         "share the group, zbpipe routes each direction of a rank pair through its own")
     p.add_argument("--timeout", type=float, default=900.0)
+    p.add_argument("--overlap", action="store_true",
+                   help="DualPipeV with OVERLAP_F_B overlapped vs in sequence (zbpipe only, plus torch)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     ns = p.parse_args(argv)
+    if ns.overlap:
+        defaults = {"schedules": "gpipe,1f1b,interleaved_1f1b,zbv,dualpipev,zb_h1", "sizes": "tiny,medium",
+                    "libs": "torch,zbpipe,zbpipe-static"}
+        if ns.schedules == defaults["schedules"]:
+            ns.schedules = "dualpipev"
+        if ns.sizes == defaults["sizes"]:
+            ns.sizes = "medium,block"
+        if ns.libs == defaults["libs"]:
+            ns.libs = "zbpipe:seq,zbpipe,torch"
     a = vars(ns) | {k: getattr(ns, k).split(",") for k in ("schedules", "sizes", "libs")}
     for s in a["schedules"]:
         spec_for(s)
@@ -213,11 +263,15 @@ def main(argv: list[str] | None = None) -> int:
         backend += f" ({ns.gloo_devices} device{'s' if ns.gloo_devices > 1 else ''})"
     print(f"# bench_dispatch: pp={ns.pp} microbatches={ns.microbatches} {backend} on {ns.device}, "
           f"torch {torch.__version__}; median of {ns.reps} reps x {ns.steps} steps after {ns.warmup} warm-up")
-    print(f"{'size':<7} {'schedule':<17} {'torch ms':>9} {'zbpipe ms':>9} {'zb/torch':>8} "
-          f"{'floor ms':>9} {'1proc ms':>9} {'torch min':>9} {'zb min':>9} {'static ms':>9} {'zb/static':>9}",
-          flush=True)
+    if ns.overlap:
+        print(f"{'size':<7} {'schedule':<17} {'seq ms':>9} {'ovl ms':>9} {'ovl/seq':>8} "
+              f"{'floor ms':>9} {'torch ms':>9} {'seq min':>9} {'ovl min':>9}", flush=True)
+    else:
+        print(f"{'size':<7} {'schedule':<17} {'torch ms':>9} {'zbpipe ms':>9} {'zb/torch':>8} "
+              f"{'floor ms':>9} {'1proc ms':>9} {'torch min':>9} {'zb min':>9} {'static ms':>9} {'zb/static':>9}",
+              flush=True)
     run_local(_bench, ns.pp, (a,), device=ns.device, timeout_s=ns.timeout, pg_timeout_s=300,
-              gloo_devices=ns.gloo_devices)
+              gloo_devices=ns.gloo_devices, threads=ns.threads)
     return 0
 
 

@@ -29,3 +29,16 @@ def test_bench_dispatch_prints_a_row_for_both_libraries():
     assert abs(ratio - zb_ms / torch_ms) < 0.01 + 0.01 * ratio
     # zbpipe with static_shapes=True, measured in the same run (the renegotiation's cost)
     assert abs(dyn_ratio - zb_ms / static_ms) < 0.002 + 0.01 * dyn_ratio
+
+
+def test_bench_dispatch_overlap_prints_a_row_with_both_modes():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_dispatch.py"), "--overlap", "--sizes", "medium",
+         "--microbatches", "4", "--warmup", "1", "--reps", "1", "--steps", "1", "--timeout", "60"],
+        cwd=NEUTRAL_CWD, capture_output=True, text=True, timeout=90, env=child_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    row = re.search(r"^medium\s+dualpipev\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)", proc.stdout, re.M)
+    assert row, proc.stdout
+    seq_ms, ovl_ms, ratio = map(float, row.groups())
+    assert seq_ms > 0 and ovl_ms > 0 and abs(ratio - ovl_ms / seq_ms) < 0.01 + 0.01 * ratio

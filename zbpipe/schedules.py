@@ -121,6 +121,15 @@ class PipelineSchedule:
             message per step and rank through which the first stage's rank names the step's
             input signature (by default a new signature renegotiates the shapes). Every rank
             must pass the same value.
+        stream_ordered: post and wait as on NCCL (every batch coalesced where the backend
+            can, receives at their RECV action, waits polled against the timeout). None: from
+            the device (True off the CPU); True on a CPU group runs NCCL's discipline over Gloo.
+        overlap_f_b: run the two halves of each OVERLAP_F_B unit (DualPipeV) at the same time:
+            the backward (C++ autograd) on a worker thread, with its own stream on
+            accelerators, while this thread runs the forward; the forward's SEND goes out as
+            soon as it finishes. False runs them in sequence. Only the executor's own halves
+            overlap: a function registered for OVERLAP_F_B (register_custom_function) runs the
+            halves itself through ctx.run, one after the other, with its own work between.
 
     A step failing on any rank (a stage error, a wrong shape, a loss error, a timeout, a bad
     batch) fails every rank of the pipeline with zbpipe.PipelineError naming that rank, its
@@ -148,6 +157,8 @@ class PipelineSchedule:
         compile_options: dict | None = None,
         prepost_receives: bool = True,
         static_shapes: bool = False,
+        stream_ordered: bool | None = None,
+        overlap_f_b: bool = True,
         _program: _C.Program | None = None,
     ):
         if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
@@ -178,6 +189,8 @@ class PipelineSchedule:
         self._device_timing = device_timing
         self._prepost_receives = prepost_receives
         self._static_shapes = static_shapes
+        self._stream_ordered = stream_ordered
+        self._overlap_f_b = overlap_f_b
         self._group = group
         pp = self._stages[0].group_size
         num_stages = self._stages[0].num_stages
@@ -242,6 +255,8 @@ class PipelineSchedule:
                 self._device_timing,
                 self._prepost_receives,
                 self._static_shapes,
+                self._stream_ordered,
+                self._overlap_f_b,
             )
             self._install_custom(ex)
         return ex
@@ -376,7 +391,7 @@ ScheduleLoopedBFS = _schedule_class("ScheduleLoopedBFS", "looped_bfs", "Looped b
 ScheduleInterleaved1F1B = _schedule_class("ScheduleInterleaved1F1B", "interleaved_1f1b", "Interleaved 1F1B (Megatron virtual stages; one stage per rank runs as torch's does).", base=_MULTI)
 ScheduleInterleavedZeroBubble = _schedule_class("ScheduleInterleavedZeroBubble", "interleaved_zb", "Interleaved zero bubble (ZB1P; one stage per rank runs as torch's does).", base=_MULTI)
 ScheduleZBVZeroBubble = _schedule_class("ScheduleZBVZeroBubble", "zbv", "Zero bubble V schedule (two stages per rank).", base=_MULTI)
-ScheduleDualPipeV = _schedule_class("ScheduleDualPipeV", "dualpipev", "DualPipeV (overlapped F/B pairs on a V).", base=_MULTI)
+ScheduleDualPipeV = _schedule_class("ScheduleDualPipeV", "dualpipev", "DualPipeV on a V: the forward and backward of each OVERLAP_F_B pair run concurrently (overlap_f_b=False: in sequence).", base=_MULTI)
 ScheduleZBH1 = _schedule_class("ScheduleZBH1", "zb_h1", "Zero bubble H1 (1F1B memory).", base=_ONE)
 ScheduleZBH2 = _schedule_class("ScheduleZBH2", "zb_h2", "Zero bubble H2 (zero bubble, more memory).", base=_ONE)
 ScheduleZBAuto = _schedule_class("ScheduleZBAuto", "zb_auto", "Cost-driven zero bubble under an activation cap (pass compile_options with measured costs).", base=_ONE)

@@ -74,8 +74,9 @@ class PipelineStage:
         self.num_stages = num_stages
         self.device = torch.device(device)
         self.group = group if group is not None else dist.distributed_c10d._get_default_group()
-        self.group_rank = dist.get_rank(self.group)
-        self.group_size = dist.get_world_size(self.group)
+        # The group's own rank and size: also for groups torch.distributed has not registered.
+        self.group_rank = self.group.rank()
+        self.group_size = self.group.size()
         self.is_first = stage_index == 0
         self.is_last = stage_index == num_stages - 1
         self._input_args = input_args

@@ -30,7 +30,7 @@ const std::vector<ScheduleInfo>& schedule_registry() {
       {"zb_h2", "ZB-H2: 2p-1 warm-up forwards, bubble-free when microbatches >= 2*pp-1, 1 stage per rank",
        build_zb_h2, {}},
       {"zbv", "ZB-V: zero bubble on the V topology, I/W split, 2 stages per rank", build_zbv, {}},
-      {"dualpipev", "DeepSeek DualPipeV: overlapped F/B pairs, V topology, 2 stages per rank",
+      {"dualpipev", "DeepSeek DualPipeV: F/B pairs run concurrently (backward on a worker thread), V topology, 2 stages per rank",
        build_dualpipev, {}},
       {"zb_auto", "Zero Bubble automatic: greedy search under the costs and a memory cap, 1 stage per rank",
        build_zb_auto, kSearchOptions},

@@ -19,6 +19,7 @@
 #include "zbpipe/simulator.h"
 #include "runtime/errors.h"
 #include "runtime/executor.h"
+#include "runtime/loopback.h"
 #include "runtime/p2p.h"
 #include "runtime/stage_backward.h"
 #include "runtime/trace.h"
@@ -50,7 +51,7 @@ std::vector<std::string> action_strings(const Program& p, int rank, bool compute
 
 Program program_from_lists(const std::vector<std::vector<std::string>>& ranks,
                            const std::vector<int>& stage_to_rank, int microbatches,
-                           const std::string& name) {
+                           const std::string& name, bool rendezvous) {
   Program p;
   p.schedule = name;
   p.pp = static_cast<int>(ranks.size());
@@ -62,11 +63,10 @@ Program program_from_lists(const std::vector<std::vector<std::string>>& ranks,
     for (const auto& s : row) acts.push_back(parse_action(s));
     p.ranks.push_back(std::move(acts));
   }
-  if (p.has_comms()) {
-    validate(p);
-    return p;
-  }
-  return lower(p);
+  if (p.has_comms()) validate(p);
+  else p = lower(p);
+  if (rendezvous) validate_rendezvous(p);
+  return p;
 }
 
 void register_errors(py::module_& m) {
@@ -120,17 +120,26 @@ void register_core(py::module_& m) {
              ZB_CHECK(f.good(), "cannot open '", path, "' for writing");
              f << to_csv(p);
            }, py::arg("path"), "Writes the program in PyTorch's CSV layout (one row per rank).")
-      .def_static("from_csv", [](const std::string& path) {
+      .def_static("from_csv", [](const std::string& path, bool rendezvous) {
              std::ifstream f(path, std::ios::binary);
              ZB_SCHEDULE_CHECK(f.good(), "cannot open CSV schedule '", path, "'");
              std::stringstream ss;
              ss << f.rdbuf();
-             return from_csv(ss.str());
-           }, py::arg("path"), "Loads a PyTorch CSV schedule (compute-only is lowered), validated.")
-      .def_static("from_csv_text", &from_csv, py::arg("text"))
+             Program p = from_csv(ss.str());
+             if (rendezvous) validate_rendezvous(p);
+             return p;
+           }, py::arg("path"), py::arg("rendezvous") = false,
+           "Loads a PyTorch CSV schedule (compute-only is lowered), validated; rendezvous=True "
+           "also checks it with NCCL's rendezvous sends (see zbpipe._C.validate).")
+      .def_static("from_csv_text", [](const std::string& text, bool rendezvous) {
+             Program p = from_csv(text);
+             if (rendezvous) validate_rendezvous(p);
+             return p;
+           }, py::arg("text"), py::arg("rendezvous") = false)
       .def_static("from_actions", &program_from_lists, py::arg("ranks"), py::arg("stage_to_rank"),
-                  py::arg("microbatches"), py::arg("name") = "custom",
-                  "Builds a program from per-rank action strings (lowered if compute-only), validated.")
+                  py::arg("microbatches"), py::arg("name") = "custom", py::arg("rendezvous") = false,
+                  "Builds a program from per-rank action strings (lowered if compute-only), "
+                  "validated; rendezvous=True also with NCCL's rendezvous sends.")
       .def("compute_only", &strip_comms)
       .def("__repr__", [](const Program& p) {
         return zbpipe::detail::str("Program(schedule='", p.schedule, "', pp=", p.pp, ", num_stages=",
@@ -185,7 +194,19 @@ void register_core(py::module_& m) {
           return find_schedule(name).build(args);
         }, py::arg("name"), py::arg("pp"), py::arg("microbatches"), py::arg("stages_per_rank") = 0,
         "Runs only the builder: the compute-only program, not lowered or validated.");
-  m.def("validate", &validate, py::arg("program"));
+  m.def("validate", [](const Program& p, bool rendezvous) {
+          validate(p);
+          if (rendezvous) validate_rendezvous(p);
+        }, py::arg("program"), py::arg("rendezvous") = false,
+        "Checks the program (ScheduleError on a violation). rendezvous=True also runs it with "
+        "sends that complete only once their receive is posted, as on NCCL.");
+  m.def("comm_batches", [](const Program& p, int rank, bool split_overlap) {
+          ZB_SCHEDULE_CHECK(rank >= 0 && rank < p.pp, "rank must be in [0, ", p.pp, "), got rank=", rank);
+          std::vector<std::tuple<int, int, bool>> out;
+          for (const auto& b : comm_batches(p.ranks[rank], split_overlap)) out.emplace_back(b.begin, b.end, b.after_f_half);
+          return out;
+        }, py::arg("program"), py::arg("rank"), py::arg("split_overlap") = true,
+        "The runtime's batches of `rank`: (begin, end, after_f_half) action index ranges.");
   m.def("insert_send_recv", &insert_send_recv, py::arg("program"));
   m.def("lower", &lower, py::arg("compute_only"), "insert_send_recv, then validate.");
   m.def("strip_backward", &strip_backward, py::arg("compute_only"),
@@ -367,6 +388,7 @@ py::dict trace_record_to_py(const runtime::TraceRecord& r) {
   d["host_start_ns"] = r.host_start_ns;
   d["host_end_ns"] = r.host_end_ns;
   d["wait_ns"] = r.wait_ns;
+  d["worker"] = r.worker;
   d["device_start_us"] = r.device_start_us;
   d["device_end_us"] = r.device_end_us;
   return d;
@@ -379,7 +401,8 @@ void register_runtime(py::module_& m) {
       "Runs one rank's lowered program over a c10d process group (see csrc/runtime/executor.h).")
       .def(py::init([](const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                        const py::dict& stages, const at::Device& device, double timeout_s,
-                       bool device_timing, bool prepost_receives, bool static_shapes) {
+                       bool device_timing, bool prepost_receives, bool static_shapes,
+                       std::optional<bool> stream_ordered, bool overlap_f_b) {
              std::map<int, std::shared_ptr<runtime::StageHandle>> handles;
              for (auto [k, v] : stages)
                handles[k.cast<int>()] = std::make_shared<PyStage>(py::reinterpret_borrow<py::object>(v));
@@ -388,12 +411,16 @@ void register_runtime(py::module_& m) {
              opts.device_timing = device_timing;
              opts.prepost_receives = prepost_receives;
              opts.static_shapes = static_shapes;
+             opts.overlap_f_b = overlap_f_b;
+             runtime::P2POptions p2p_opts;
+             p2p_opts.stream_ordered = stream_ordered;
              return std::make_unique<runtime::Executor>(
-                 program, std::make_unique<runtime::P2P>(pg, device), std::move(handles), opts);
+                 program, std::make_unique<runtime::P2P>(pg, device, p2p_opts), std::move(handles), opts);
            }),
            py::arg("program"), py::arg("process_group"), py::arg("stages"), py::arg("device"),
            py::arg("timeout_s") = 300.0, py::arg("device_timing") = false,
-           py::arg("prepost_receives") = true, py::arg("static_shapes") = false)
+           py::arg("prepost_receives") = true, py::arg("static_shapes") = false,
+           py::arg("stream_ordered") = py::none(), py::arg("overlap_f_b") = true)
       .def("run", &runtime::Executor::run, py::arg("loss_scale") = 1.0,
            py::call_guard<py::gil_scoped_release>(),
            "Runs one step of the program; each microbatch loss backpropagates `loss_scale` (the GIL "
@@ -439,6 +466,29 @@ void register_runtime(py::module_& m) {
       .def("export_chrome_trace", [](const runtime::Executor& e, const std::string& path) {
              runtime::write_chrome_trace(path, e.trace());
            }, py::arg("path"));
+
+  py::class_<runtime::LoopbackWorld>(m, "_LoopbackWorld",
+      "In-process process groups that record every post and wait (tests, the NCCL model; see "
+      "csrc/runtime/loopback.h).")
+      .def(py::init<int, bool>(), py::arg("size"), py::arg("stream_waits") = false)
+      .def_property_readonly("size", &runtime::LoopbackWorld::size)
+      .def("group", &runtime::LoopbackWorld::group, py::arg("rank"))
+      .def("clear_events", &runtime::LoopbackWorld::clear_events)
+      .def("events", [](const runtime::LoopbackWorld& w, int rank) {
+             py::list out;
+             for (const auto& e : w.events(rank)) {
+               const char* type = e.type == runtime::LoopbackEvent::Type::Post   ? "post"
+                                  : e.type == runtime::LoopbackEvent::Type::Wait ? "wait"
+                                                                                 : "sync";
+               py::list ops;
+               for (const auto& o : e.ops)
+                 ops.append(py::make_tuple(o.is_send ? "send" : "recv", o.peer, o.tag, o.bytes));
+               out.append(py::make_tuple(type, e.work, e.coalesced, ops));
+             }
+             return out;
+           }, py::arg("rank"),
+           "Recorded calls of `rank`: (type, work, coalesced, ops) with type 'post', 'wait' or "
+           "'sync' and ops [(\"send\"|\"recv\", peer, wire tag, bytes)] on posts.");
 }
 
 // The stage backward on its own (single process), for tests and for trainers that split a

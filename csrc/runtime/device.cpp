@@ -13,6 +13,11 @@ bool device_has_events(const c10::Device& device) {
   return !device.is_cpu() && !device.is_meta();
 }
 
+void record_on_stream(const at::Tensor& t, const c10::Stream& stream) {
+  if (!t.defined() || t.device().is_cpu() || !t.has_storage()) return;
+  c10::impl::getDeviceGuardImpl(stream.device_type())->recordDataPtrOnStream(t.storage().data_ptr(), stream);
+}
+
 DeviceTimer::DeviceTimer(const c10::Device& device, bool enabled, size_t actions)
     : device_(device), enabled_(enabled && device_has_events(device)) {
   if (!enabled_) return;

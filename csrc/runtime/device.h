@@ -2,6 +2,7 @@
 // a CPU torch and drives CUDA with a CUDA torch. Used for per-action device timing.
 #pragma once
 
+#include <ATen/core/Tensor.h>
 #include <c10/core/Device.h>
 #include <c10/core/Event.h>
 #include <c10/core/Stream.h>
@@ -17,6 +18,10 @@ c10::Stream current_stream(const c10::Device& device);
 
 // Does this device type have timing events (CUDA and other accelerators; not CPU)?
 bool device_has_events(const c10::Device& device);
+
+// Tells the caching allocator that `t` is used on `stream` too (its memory is not reused
+// before the work queued there so far is done). No-op on the CPU.
+void record_on_stream(const at::Tensor& t, const c10::Stream& stream);
 
 // Timing events around each traced action on the compute stream; read once per step (one
 // host sync at the end of the step, only when device timing is on).

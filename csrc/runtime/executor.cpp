@@ -6,6 +6,7 @@
 #include <ATen/ops/zeros_like.h>
 
 #include "runtime/errors.h"
+#include "zbpipe/passes.h"
 
 namespace zbpipe::runtime {
 
@@ -38,6 +39,9 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
                                     "] on rank ", rank_, ", but this rank was given stages [",
                                     got, "]"));
   }
+  // Stream-ordered backends: refuse a program whose posts would deadlock there (a send
+  // completes only once its receive is posted), before any message.
+  if (p2p_->stream_ordered() && program_.pp > 1) validate_rendezvous(program_);
   build_dispatch();
   for (const auto& h : stages_) queues_weight_.push_back(h->queues_weight_work() ? 1 : 0);
   for (const auto& h : stages_) syncs_grads_.push_back(h->syncs_gradients() ? 1 : 0);
@@ -54,7 +58,10 @@ void Executor::mark_gradient_sync() {
     if (entries_[i].op == Op::BackwardFull || entries_[i].op == Op::BackwardWeight)
       last[entries_[i].local] = static_cast<int>(i);
   for (size_t l = 0; l < stages_.size(); ++l)
-    if (syncs_grads_[l] && last[l] >= 0) entries_[last[l]].sync_grads = true;
+    if (syncs_grads_[l] && last[l] >= 0) {
+      entries_[last[l]].sync_grads = true;
+      entries_[last[l]].on_worker = false;  // the sync hooks (Python, DDP/FSDP) run on this thread
+    }
 }
 
 const StageSignatures& Executor::signatures(int stage) const {
@@ -119,39 +126,70 @@ void Executor::build_dispatch() {
     trace_.push_back(TraceRecord{to_string(a), rank_, index});
   };
 
+  // Batches as the core's comm_batches defines them (the rendezvous check models the same).
+  const auto batches = comm_batches(acts, options_.overlap_f_b);
+  size_t next_batch = 0;
+  auto add_batch = [&](size_t& i) {
+    ZB_CHECK(next_batch < batches.size() && batches[next_batch].begin == static_cast<int>(i),
+             "comm action '", to_string(acts[i]), "' outside a batch");
+    const CommBatch& batch = batches[next_batch++];
+    Entry e{};
+    e.op = Op::Comm;
+    e.index = static_cast<int>(i);
+    e.comm_begin = static_cast<int>(comms_.size());
+    std::string name;
+    for (; static_cast<int>(i) < batch.end; ++i) {
+      const Action& c = acts[i];
+      Comm k{c.kind, c.stage, local(c.stage, c), c.microbatch, -1, 0, static_cast<int>(i), {}};
+      ZB_CHECK(c.microbatch >= 0 && c.microbatch < m, "action '", to_string(c),
+               "' has microbatch out of range");
+      switch (c.kind) {
+        case Kind::SEND_F: k.peer = program_.rank_of(c.stage + 1); k.tag = data_tag(c.stage, false, c.microbatch, m); break;
+        case Kind::RECV_F: k.peer = program_.rank_of(c.stage - 1); k.tag = data_tag(c.stage - 1, false, c.microbatch, m); break;
+        case Kind::SEND_B: k.peer = program_.rank_of(c.stage - 1); k.tag = data_tag(c.stage - 1, true, c.microbatch, m); break;
+        case Kind::RECV_B: k.peer = program_.rank_of(c.stage + 1); k.tag = data_tag(c.stage, true, c.microbatch, m); break;
+        default: break;
+      }
+      k.desc = detail::str(to_string(c), c.kind == Kind::SEND_F || c.kind == Kind::SEND_B ? " to rank " : " from rank ", k.peer);
+      comms_.push_back(std::move(k));
+      name += (name.empty() ? "" : "+") + to_string(c);
+    }
+    e.comm_end = static_cast<int>(comms_.size());
+    entries_.push_back(e);
+    trace_.push_back(TraceRecord{name, rank_, e.index});
+  };
   for (size_t i = 0; i < acts.size();) {
     const Action& a = acts[i];
     if (is_comm(a.kind)) {
-      Entry e{};
-      e.op = Op::Comm;
-      e.index = static_cast<int>(i);
-      e.comm_begin = static_cast<int>(comms_.size());
-      std::string name;
-      for (; i < acts.size() && is_comm(acts[i].kind); ++i) {
-        const Action& c = acts[i];
-        Comm k{c.kind, c.stage, local(c.stage, c), c.microbatch, -1, 0, static_cast<int>(i), {}};
-        ZB_CHECK(c.microbatch >= 0 && c.microbatch < m, "action '", to_string(c),
-                 "' has microbatch out of range");
-        switch (c.kind) {
-          case Kind::SEND_F: k.peer = program_.rank_of(c.stage + 1); k.tag = data_tag(c.stage, false, c.microbatch, m); break;
-          case Kind::RECV_F: k.peer = program_.rank_of(c.stage - 1); k.tag = data_tag(c.stage - 1, false, c.microbatch, m); break;
-          case Kind::SEND_B: k.peer = program_.rank_of(c.stage - 1); k.tag = data_tag(c.stage - 1, true, c.microbatch, m); break;
-          case Kind::RECV_B: k.peer = program_.rank_of(c.stage + 1); k.tag = data_tag(c.stage, true, c.microbatch, m); break;
-          default: break;
-        }
-        k.desc = detail::str(to_string(c), c.kind == Kind::SEND_F || c.kind == Kind::SEND_B ? " to rank " : " from rank ", k.peer);
-        comms_.push_back(std::move(k));
-        name += (name.empty() ? "" : "+") + to_string(c);
-      }
-      e.comm_end = static_cast<int>(comms_.size());
-      entries_.push_back(e);
-      trace_.push_back(TraceRecord{name, rank_, e.index});
+      add_batch(i);
       continue;
     }
     ZB_CHECK(is_compute(a.kind), "unexpected action '", to_string(a), "'");
+    const Action* f = nullptr;
+    const Action* b = nullptr;
+    if (a.kind == Kind::OVERLAP_F_B && a.sub.size() == 2) {
+      for (const auto& part : a.sub) {
+        if (part.kind == Kind::F) f = &part;
+        else if (is_backward(part.kind)) b = &part;
+      }
+    }
+    if (options_.overlap_f_b && f && b && f->stage != b->stage) {
+      // The backward half on the worker, the forward half here at the same time, then F's
+      // SEND (the batch comm_batches split off) while the backward half may still run.
+      add_compute(*b, static_cast<int>(i));
+      entries_.back().on_worker = true;
+      add_compute(*f, static_cast<int>(i));
+      entries_.back().concurrent = true;
+      ++i;
+      if (next_batch < batches.size() && batches[next_batch].after_f_half &&
+          batches[next_batch].begin == static_cast<int>(i)) {
+        add_batch(i);
+        entries_.back().concurrent = true;
+      }
+      continue;
+    }
     if (a.kind == Kind::OVERLAP_F_B) {
-      // Run as its parts in order: same results; overlapping them is a later optimisation.
-      for (const auto& sub : a.sub) add_compute(sub, static_cast<int>(i));
+      for (const auto& sub : a.sub) add_compute(sub, static_cast<int>(i));  // in sequence
     } else {
       add_compute(a, static_cast<int>(i));
     }
@@ -160,7 +198,52 @@ void Executor::build_dispatch() {
   slots_.assign(stage_ids_.size() * static_cast<size_t>(m), Slot{});
 }
 
+void Executor::join_worker() {
+  if (!worker_ || !worker_->busy()) return;
+  const int index = worker_index_;
+  worker_index_ = -1;
+  try {
+    worker_->join();  // rethrows what the backward half threw
+  } catch (const std::exception& ex) {
+    abandon_in_flight();
+    fail(index, ex.what());
+  }
+}
+
+void Executor::start_on_worker(size_t i) {
+  const Entry& e = entries_[i];
+  TraceRecord& rec = trace_[i];
+  rec.host_start_ns = now_ns();
+  if (e.needs_recv) {  // on this thread: P2P is not thread-safe
+    Slot& sl = slot(e.local, e.mb);
+    wait_recv(sl.grad_recv, sl.grad_recv_comm, rec);
+  }
+  if (!worker_) worker_ = std::make_unique<OverlapWorker>(p2p_->device());
+  worker_index_ = e.index;
+  const c10::Device device = p2p_->device();
+  std::optional<c10::Stream> consumer;
+  if (device_has_events(device)) consumer = current_stream(device);
+  worker_->start([this, i, consumer] {
+    const Entry& e = entries_[i];
+    TraceRecord& rec = trace_[i];
+    rec.host_start_ns = now_ns();  // the backward itself, as it overlaps the forward half
+    rec.worker = true;
+    timer_->mark(i, false);
+    run_backward(e, consumer ? &*consumer : nullptr);
+    timer_->mark(i, true);
+    rec.host_end_ns = now_ns();
+  });
+}
+
 void Executor::abandon_in_flight() {
+  if (worker_ && worker_->busy()) {  // it uses the step's slots: let it finish first
+    try {
+      worker_->join();
+    } catch (...) {
+    }
+  }
+  worker_index_ = -1;
+  p2p_->abandon_watched();
   for (auto& b : pending_sends_) P2P::abandon(std::move(b));
   pending_sends_.clear();
   for (auto& sl : slots_) {
@@ -227,7 +310,7 @@ void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vec
 void Executor::wait_recv(std::shared_ptr<Batch>& batch, int comm, TraceRecord& rec) {
   if (!batch) return;  // an empty message (nothing differentiable crossed)
   const int64_t t0 = now_ns();
-  p2p_->wait(*batch, options_.timeout, comms_[comm].desc);
+  p2p_->wait(batch, options_.timeout, comms_[comm].desc);
   rec.wait_ns += now_ns() - t0;
   batch.reset();
 }
@@ -295,6 +378,47 @@ void Executor::post_comm(const Entry& e) {
   if (has_send) pending_sends_.push_back(std::move(batch));
 }
 
+void Executor::run_backward(const Entry& e, const c10::Stream* consumer) {
+  Slot& sl = slot(e.local, e.mb);
+  StageHandle& stage = *stages_[e.local];
+  const bool last = e.stage == program_.num_stages - 1;
+  std::vector<at::Tensor> root_grads = std::move(sl.grad_in);
+  sl.grad_in.clear();
+  auto roots = std::move(sl.roots);
+  auto inputs = std::move(sl.saved_in);
+  sl.roots.clear();
+  sl.saved_in.clear();
+  if (last) {
+    root_grads.clear();
+    for (const auto& r : roots) root_grads.push_back(at::full_like(r, loss_scale_));
+    // Made on the worker's stream, read by autograd on the streams of the forward.
+    if (consumer)
+      for (const auto& g : root_grads) record_on_stream(g, *consumer);
+  }
+  std::vector<at::Tensor> in_grads;
+  if (e.op == Op::BackwardFull || queues_weight_[e.local]) {
+    in_grads = backward_full(roots, root_grads, inputs);
+    if (queues_weight_[e.local]) stage.weight_work_queued(e.mb);
+    if (e.op == Op::BackwardFull && queues_weight_[e.local]) stage.run_weight_work(e.mb);
+  } else {
+    in_grads = backward_input(roots, root_grads, inputs, sl.weight, &split_plans_[e.local]);
+  }
+  roots.clear();  // frees the input closure of the graph now, not at the end of the step
+  if (e.handoff >= 0 || e.to_send) {
+    // One gradient per differentiable input; zeros where the stage did not use it.
+    std::vector<at::Tensor> out;
+    const auto& in_specs = sigs_[e.local].inputs.specs;
+    for (size_t i = 0; i < inputs.size() && i < in_specs.size(); ++i)
+      if (in_specs[i].differentiable())
+        out.push_back(in_grads[i].defined() ? std::move(in_grads[i]) : at::zeros_like(inputs[i]));
+    check_outputs(out, in_grad_specs_[e.local], "input gradients", e.stage, e.mb);
+    if (consumer)  // used (and freed) on the caller's stream after the join
+      for (const auto& g : out) record_on_stream(g, *consumer);
+    if (e.handoff >= 0) slot(e.handoff, e.mb).grad_in = std::move(out);
+    else sl.grad_out = std::move(out);
+  }
+}
+
 void Executor::run_entry(const Entry& e, TraceRecord& rec) {
   if (e.op == Op::Comm) {
     post_comm(e);
@@ -331,40 +455,10 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
       break;
     }
     case Op::BackwardInput:
-    case Op::BackwardFull: {
+    case Op::BackwardFull:
       if (e.needs_recv) wait_recv(sl.grad_recv, sl.grad_recv_comm, rec);
-      std::vector<at::Tensor> root_grads = std::move(sl.grad_in);
-      sl.grad_in.clear();
-      auto roots = std::move(sl.roots);
-      auto inputs = std::move(sl.saved_in);
-      sl.roots.clear();
-      sl.saved_in.clear();
-      if (last) {
-        root_grads.clear();
-        for (const auto& r : roots) root_grads.push_back(at::full_like(r, loss_scale_));
-      }
-      std::vector<at::Tensor> in_grads;
-      if (e.op == Op::BackwardFull || queues_weight_[e.local]) {
-        in_grads = backward_full(roots, root_grads, inputs);
-        if (queues_weight_[e.local]) stage.weight_work_queued(e.mb);
-        if (e.op == Op::BackwardFull && queues_weight_[e.local]) stage.run_weight_work(e.mb);
-      } else {
-        in_grads = backward_input(roots, root_grads, inputs, sl.weight, &split_plans_[e.local]);
-      }
-      roots.clear();  // frees the input closure of the graph now, not at the end of the step
-      if (e.handoff >= 0 || e.to_send) {
-        // One gradient per differentiable input; zeros where the stage did not use it.
-        std::vector<at::Tensor> out;
-        const auto& in_specs = sigs_[e.local].inputs.specs;
-        for (size_t i = 0; i < inputs.size() && i < in_specs.size(); ++i)
-          if (in_specs[i].differentiable())
-            out.push_back(in_grads[i].defined() ? std::move(in_grads[i]) : at::zeros_like(inputs[i]));
-        check_outputs(out, in_grad_specs_[e.local], "input gradients", e.stage, e.mb);
-        if (e.handoff >= 0) slot(e.handoff, e.mb).grad_in = std::move(out);
-        else sl.grad_out = std::move(out);
-      }
+      run_backward(e, nullptr);
       break;
-    }
     case Op::BackwardWeight:
       if (queues_weight_[e.local]) stage.run_weight_work(e.mb);
       else backward_weight(sl.weight);
@@ -414,9 +508,14 @@ void Executor::run(double loss_scale) {
     }
     TraceRecord& rec = trace_[i];
     rec.wait_ns = 0;
-    rec.host_start_ns = now_ns();
-    timer_->mark(i, false);
+    if (!e.concurrent) join_worker();
     try {
+      if (e.on_worker) {
+        start_on_worker(i);
+        continue;
+      }
+      rec.host_start_ns = now_ns();
+      timer_->mark(i, false);
       if (e.sync_grads) {
         static const std::vector<at::Tensor> kNoRoots;
         stages_[e.local]->begin_gradient_sync(e.op == Op::BackwardFull ? slot(e.local, e.mb).roots : kNoRoots);
@@ -430,8 +529,10 @@ void Executor::run(double loss_scale) {
     timer_->mark(i, true);
     rec.host_end_ns = now_ns();
   }
+  join_worker();
   try {
-    for (auto& b : pending_sends_) p2p_->wait(*b, options_.timeout, "a send of this step");
+    for (auto& b : pending_sends_) p2p_->wait(b, options_.timeout, "a send of this step");
+    p2p_->settle();  // stream-ordered: every wait of the step seen complete, each by its deadline
   } catch (const std::exception& ex) {
     abandon_in_flight();
     fail(-1, ex.what());

@@ -1,7 +1,10 @@
 // The executor: walks one rank's lowered program, posting receives (all at step start on
 // tag-matched backends such as Gloo, else at their RECV action), waiting on them right before
 // the compute that needs them, calling the stages' forwards, running their backward (B, or I
-// then W) on the autograd engine, and sending adjacent communication actions as one batch.
+// then W) on the autograd engine, and sending each batch of adjacent communication actions
+// (zbpipe::comm_batches) as one post. On stream-ordered backends (NCCL) it first checks the
+// program with rendezvous sends (validate_rendezvous). OVERLAP_F_B units run their backward
+// half on a worker thread while the forward half runs here (ExecutorOptions::overlap_f_b).
 // The dispatch table is built once per program; a step allocates only its receive buffers.
 // Before the first step the ranks compare program fingerprints (program_agreement.h); every
 // step starts by agreeing on its shapes (the first stage's rank names the step's input
@@ -19,6 +22,7 @@
 #include "runtime/device.h"
 #include "runtime/failure_watch.h"
 #include "runtime/handshake.h"
+#include "runtime/overlap_worker.h"
 #include "runtime/p2p.h"
 #include "runtime/stage_backward.h"
 #include "runtime/stage_handle.h"
@@ -38,6 +42,11 @@ struct ExecutorOptions {
   // Shapes fixed at the first step: no per-step signature message (a changed input shape
   // then fails at the first stage whose output differs).
   bool static_shapes = false;
+  // Run the halves of an OVERLAP_F_B unit (a forward and a backward of different stages) at
+  // the same time: the backward (C++ autograd) on a worker thread -- with its own stream on
+  // accelerators, joined back by an event -- while this thread runs the forward (Python); the
+  // forward's SEND goes out as soon as it finishes. False runs them in sequence.
+  bool overlap_f_b = true;
 };
 
 // A user function replacing how the actions of some kinds run (Python's
@@ -104,6 +113,8 @@ class Executor {
     bool to_send = false;     // result is sent later by a SEND action
     int comm_begin = 0, comm_end = 0;  // Comm: range in comms_
     bool sync_grads = false;  // the stage's last backward (B or W) of a step, and it syncs grads
+    bool on_worker = false;   // the backward half of an overlapped unit: runs on worker_
+    bool concurrent = false;  // runs while worker_ may be busy (the forward half, its SEND)
   };
   struct Comm {
     Kind kind;       // SEND_F / RECV_F / SEND_B / RECV_B
@@ -126,6 +137,13 @@ class Executor {
   // of its last entry.
   size_t run_custom(size_t first);
   bool is_custom(Kind k) const { return custom_ && (custom_kinds_ >> static_cast<int>(k) & 1u); }
+  // B or I after its receive: the backward and the input gradients it hands on. `consumer`:
+  // on the worker, the caller's stream, on which tensors made here are recorded.
+  void run_backward(const Entry& e, const c10::Stream* consumer);
+  // Waits the receive of entries_[i] here, then runs its backward on the worker.
+  void start_on_worker(size_t i);
+  // Joins the worker if busy; a failure of its backward half fails the step at that unit.
+  void join_worker();
   // Posts the sends of a comm entry and, unless they were preposted, its receives.
   void post_comm(const Entry& e);
   // Allocates the slot's buffers for receive action `k` and appends its receive ops.
@@ -182,6 +200,8 @@ class Executor {
   uint32_t custom_kinds_ = 0;              // bit k: Kind k runs through custom_
   size_t part_begin_ = 0, part_end_ = 0;   // entries of the custom action running now
   std::vector<uint8_t> part_done_;         // per entry in [part_begin_, part_end_): ran
+  std::unique_ptr<OverlapWorker> worker_;  // created at the first overlapped unit
+  int worker_index_ = -1;                  // action index of the unit the worker runs
   bool prepost_ = false; // receives are posted at step start (see ExecutorOptions)
   bool ready_ = false;   // handshake done
   bool broken_ = false;  // a step failed

@@ -73,7 +73,8 @@ void Executor::negotiate_shapes() {
       auto buf = at::empty({1}, opts);
       auto batch = p2p_->post({P2POp{false, r0, step_signature_tag(), buf}});
       try {
-        p2p_->wait(*batch, options_.timeout, detail::str("the step's input signature from rank ", r0));
+        p2p_->wait(batch, options_.timeout, detail::str("the step's input signature from rank ", r0),
+                   /*host_complete=*/true);  // read on the host below
       } catch (...) {
         P2P::abandon(batch);
         throw;

@@ -104,12 +104,14 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
     auto buf = at::empty({kMessageBytes}, at::TensorOptions().dtype(at::kByte).device(p2p.device()));
     auto batch = p2p.post({P2POp{false, peer, handshake_tag(stage, backward), buf}});
     try {
-      p2p.wait(*batch, timeout, detail::str("handshake: receiving stage ", stage,
-                                            backward ? "'s outcome" : "'s input signature",
-                                            " from rank ", peer));
+      p2p.wait(batch, timeout,
+               detail::str("handshake: receiving stage ", stage,
+                           backward ? "'s outcome" : "'s input signature", " from rank ", peer),
+               /*host_complete=*/true);  // decoded on the host next
     } catch (...) {
       P2P::abandon(batch);
       for (auto& b : sends) P2P::abandon(b);
+      p2p.abandon_watched();
       throw;
     }
     return decode(buf);
@@ -152,9 +154,11 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
     if (s > 0 && p.rank_of(s - 1) != me) send(m, s - 1, true, p.rank_of(s - 1));
   }
   try {
-    for (auto& b : sends) p2p.wait(*b, timeout, "handshake: completing a send");
+    for (auto& b : sends) p2p.wait(b, timeout, "handshake: completing a send");
+    p2p.settle();
   } catch (...) {
     for (auto& b : sends) P2P::abandon(b);
+    p2p.abandon_watched();
     throw;
   }
   if (outcome.status != 0)

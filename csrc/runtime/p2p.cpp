@@ -1,4 +1,5 @@
-// P2P batches over c10d: coalesced when the backend supports it, individual ops otherwise.
+// P2P batches over c10d: coalesced when the backend supports it, individual ops otherwise;
+// waits bounded by a deadline on host and stream-ordered backends alike.
 #include "runtime/p2p.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
@@ -8,6 +9,7 @@
 
 #include <algorithm>
 #include <mutex>
+#include <thread>
 
 #include "runtime/errors.h"
 
@@ -16,7 +18,7 @@ namespace zbpipe::runtime {
 struct Batch {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> tensors;  // alive until the batch completes
-  bool done = false;
+  bool done = false;                // waited (for the host, or for the current stream)
 };
 
 int wire_tag(int tag, int sender, int receiver) {
@@ -24,7 +26,7 @@ int wire_tag(int tag, int sender, int receiver) {
   return tag * 2 + (sender < receiver ? 1 : 0);
 }
 
-P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device)
+P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device, P2POptions options)
     : pg_(std::move(pg)), device_(device) {
   ZB_CHECK(pg_, "a process group is required");
   rank_ = pg_->getRank();
@@ -34,7 +36,14 @@ P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device)
   if (size_ > 1) coalesce_ = pg_->getBackend(device_.type())->supportsCoalescing();
   // Only host backends complete a receive on the host; NCCL-style backends order the
   // compute stream after the communication instead.
-  host_blocking_ = device_.is_cpu();
+  stream_ordered_ = options.stream_ordered.value_or(!device_.is_cpu());
+  // Work::wait orders the caller's stream after the work on accelerators. The loopback world
+  // (runtime/loopback.h) blocks there instead, so it takes the accelerator path and its log
+  // shows the calls made on a GPU. On a CPU group (Gloo) Work::wait has no deadline, and
+  // nothing but the host orders compute after a receive: complete each one before use.
+  stream_wait_ = !device_.is_cpu() ||
+                 (size_ > 1 && pg_->getBackend(device_.type())->getBackendName() == "loopback");
+  runahead_ = stream_wait_ ? 1 : 0;
 }
 
 P2P::~P2P() = default;
@@ -50,7 +59,9 @@ std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
     const int tag = wire_tag(op.tag, op.is_send ? rank_ : op.peer, op.is_send ? op.peer : rank_);
     return op.is_send ? pg_->send(one, op.peer, tag) : pg_->recv(one, op.peer, tag);
   };
-  if (coalesce_ && ops.size() > 1) {
+  // Stream-ordered: a lone op would travel over another communicator than a coalesced one
+  // (and its peer may well batch the same message with others), so every batch is coalesced.
+  if (coalesce_ && (ops.size() > 1 || stream_ordered_)) {
     pg_->startCoalescing(device_.type());
     try {
       for (auto& op : ops) issue(op);
@@ -68,38 +79,116 @@ std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
 }
 
 void P2P::abandon(std::shared_ptr<Batch> batch) {
-  if (!batch || batch->done) return;
+  if (!batch || (batch->done && batch->works.empty())) return;
   static std::mutex mu;
   static auto* graveyard = new std::vector<std::shared_ptr<Batch>>();  // never freed, on purpose
   std::lock_guard<std::mutex> lock(mu);
   graveyard->push_back(std::move(batch));
 }
 
-void P2P::wait(Batch& batch, std::chrono::milliseconds timeout, const std::string& what) {
-  if (batch.done) return;
-  auto aborted = [&] { return CommAborted(::zbpipe::detail::str("waiting for ", what, " was aborted (a peer failed)")); };
-  if (aborted_) throw aborted();
-  for (auto& w : batch.works) {
-    if (!w) continue;
-    bool completed = true;
-    try {
-      if (host_blocking_) {
-        completed = w->wait(timeout);
-      } else {
-        w->wait();  // stream-ordered: never blocks the host
-      }
-    } catch (const std::exception& e) {
-      if (aborted_) throw aborted();
-      throw PipelineError(::zbpipe::detail::str(
-          "waiting for ", what, " failed on backend ", backend_name_, " (timeout ",
-          timeout.count() / 1000.0, " s; a peer may have died or diverged): ", e.what()));
-    }
-    if (!completed || aborted_) throw aborted();  // Work::wait returns false once aborted
-  }
+void P2P::abandon_watched() {
+  for (auto& w : watched_) abandon(std::move(w.batch));
+  watched_.clear();
+}
+
+namespace {
+[[noreturn]] void wait_failed(const std::string& what, const std::string& backend,
+                              std::chrono::milliseconds timeout, const std::string& why) {
+  throw PipelineError(::zbpipe::detail::str(
+      "waiting for ", what, " failed on backend ", backend, " (timeout ", timeout.count() / 1000.0,
+      " s; a peer may have died or diverged): ", why));
+}
+[[noreturn]] void aborted_wait(const std::string& what) {
+  throw CommAborted(::zbpipe::detail::str("waiting for ", what, " was aborted (a peer failed)"));
+}
+}  // namespace
+
+void P2P::finish(Batch& batch) {
   std::lock_guard<std::mutex> lock(live_mu_);  // abort_all reads the works
   batch.done = true;
   batch.works.clear();
   batch.tensors.clear();
+}
+
+void P2P::poll(Watched& w) {
+  if (aborted_) aborted_wait(w.what);
+  for (auto& work : w.batch->works) {
+    if (!work) continue;
+    try {
+      if (!stream_wait_) {
+        // Host backends complete a work in Work::wait (Gloo's isCompleted stays false until
+        // then): wait there, for what is left of the deadline; false once aborted.
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(w.deadline - std::chrono::steady_clock::now());
+        if (!work->wait(std::max(left, std::chrono::milliseconds(1))) || aborted_) aborted_wait(w.what);
+        continue;
+      }
+      for (int spins = 0; !work->isCompleted(); ++spins) {
+        if (aborted_) aborted_wait(w.what);
+        if (std::chrono::steady_clock::now() > w.deadline)
+          wait_failed(w.what, backend_name_, w.timeout, "not complete by its deadline");
+        if (spins < 64) {
+          std::this_thread::yield();
+        } else {
+          std::this_thread::sleep_for(std::chrono::microseconds(spins < 1024 ? 20 : 500));
+        }
+      }
+      if (auto e = work->exception()) std::rethrow_exception(e);
+    } catch (const PipelineError&) {
+      throw;
+    } catch (const std::exception& e) {
+      if (aborted_) aborted_wait(w.what);
+      wait_failed(w.what, backend_name_, w.timeout, e.what());
+    }
+  }
+  finish(*w.batch);
+}
+
+void P2P::wait(const std::shared_ptr<Batch>& batch, std::chrono::milliseconds timeout,
+               const std::string& what, bool host_complete) {
+  ZB_CHECK(batch, "waiting on no batch (", what, ")");
+  if (batch->done) return;
+  if (aborted_) aborted_wait(what);
+  if (!stream_ordered_) {
+    for (auto& w : batch->works) {
+      if (!w) continue;
+      bool completed = true;
+      try {
+        completed = w->wait(timeout);
+      } catch (const std::exception& e) {
+        if (aborted_) aborted_wait(what);
+        wait_failed(what, backend_name_, timeout, e.what());
+      }
+      if (!completed || aborted_) aborted_wait(what);  // Work::wait returns false once aborted
+    }
+    finish(*batch);
+    return;
+  }
+  Watched w{batch, std::chrono::steady_clock::now() + timeout, timeout, what};
+  if (!stream_wait_) {
+    poll(w);  // the host is the only order there is: complete before use
+  } else {
+    try {
+      for (auto& work : batch->works)
+        if (work) work->wait();  // the current stream waits; the host does not
+    } catch (const std::exception& e) {
+      if (aborted_) aborted_wait(what);
+      wait_failed(what, backend_name_, timeout, e.what());
+    }
+    if (host_complete) poll(w);
+    else watched_.push_back(std::move(w));
+  }
+  batch->done = true;
+  while (watched_.size() > runahead_) {
+    poll(watched_.front());
+    watched_.pop_front();
+  }
+}
+
+void P2P::settle() {
+  while (!watched_.empty()) {
+    poll(watched_.front());
+    watched_.pop_front();
+  }
 }
 
 // ---- abort (failure propagation, see failure_watch.h) ------------------------------------
@@ -112,7 +201,7 @@ void P2P::track_live(const std::shared_ptr<Batch>& batch) {
     live_.erase(std::remove_if(live_.begin(), live_.end(),
                                [](const std::weak_ptr<Batch>& w) {
                                  auto b = w.lock();
-                                 return !b || b->done;
+                                 return !b || b->works.empty();
                                }),
                 live_.end());
   }
@@ -125,7 +214,7 @@ void P2P::abort_all() {
     std::lock_guard<std::mutex> lock(live_mu_);
     for (auto& weak : live_) {
       auto b = weak.lock();
-      if (!b || b->done) continue;
+      if (!b || b->works.empty()) continue;
       for (auto& w : b->works) {
         try {
           if (w) w->abort();
@@ -135,9 +224,9 @@ void P2P::abort_all() {
       }
     }
   }
-  if (!host_blocking_) {
-    // Stream-ordered backends (NCCL): the host waits on nothing; abort the communicators so
-    // the kernels stuck on the failed peer end.
+  if (!device_.is_cpu()) {
+    // Accelerators (NCCL): the host waits on nothing; abort the communicators so the kernels
+    // stuck on the failed peer end.
     try {
       pg_->abort();
     } catch (const std::exception&) {

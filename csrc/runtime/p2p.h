@@ -9,8 +9,10 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -42,10 +44,21 @@ int wire_tag(int tag, int sender, int receiver);
 // A posted batch (opaque: holds the c10d works and keeps its tensors alive until waited).
 struct Batch;
 
+struct P2POptions {
+  // Post and wait as on a stream-ordered backend (NCCL): every batch goes out coalesced where
+  // the backend supports coalescing (so both ends of every message use the group
+  // communicator: ProcessGroupNCCL sends a lone, uncoalesced op over a two-rank communicator
+  // of its own unless the group was created with a device_id), receives are posted at their
+  // RECV action, and waits only order the stream, their completion polled against a deadline
+  // (see wait). Unset: true off the CPU. True on a CPU group posts as on NCCL over Gloo or the
+  // loopback world (tests, the NCCL model).
+  std::optional<bool> stream_ordered;
+};
+
 class P2P {
  public:
   // `device` is where messages live: CPU for Gloo, the rank's GPU for NCCL.
-  P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device);
+  P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device, P2POptions options = {});
   ~P2P();
   P2P(const P2P&) = delete;
   P2P& operator=(const P2P&) = delete;
@@ -54,45 +67,69 @@ class P2P {
   int size() const { return size_; }
   const c10::Device& device() const { return device_; }
   const std::string& backend_name() const { return backend_name_; }
-  // One work per batch (NCCL) rather than one per tensor.
+  // Batches go out as one coalesced work (NCCL) rather than one work per tensor.
   bool coalesces() const { return coalesce_; }
   // Messages match on (peer, tag) and complete on the host (Gloo): receives may be posted in
   // any order and ahead of time. Stream-ordered backends (NCCL) match on issue order instead.
-  bool tag_matched() const { return host_blocking_; }
+  bool tag_matched() const { return !stream_ordered_; }
+  bool stream_ordered() const { return stream_ordered_; }
 
   // Posts `ops` (non-empty) as one batch and returns it; the batch keeps the tensors alive.
+  // Coalesced when the backend supports it and the batch has several ops, or always on a
+  // stream-ordered backend (one communicator, one grouping rule at both ends of a message).
   std::shared_ptr<Batch> post(std::vector<P2POp> ops);
 
-  // Completes `batch` (idempotent). Host backends (Gloo) block the host for at most `timeout`
-  // and throw on timeout or peer failure; device backends (NCCL) only make the current stream
-  // wait on the communication (the process group's own timeout watches the device side).
-  // `what` (e.g. "1RECV_F0 from rank 0") goes into the error message.
-  void wait(Batch& batch, std::chrono::milliseconds timeout, const std::string& what);
+  // Completes `batch` for the current stream (idempotent). `what` (e.g. "1RECV_F0 from rank
+  // 0") goes into the error message; PipelineError on timeout or peer failure.
+  //  - host backends (Gloo): blocks the host for at most `timeout`;
+  //  - stream-ordered: makes the current stream wait on the batch, then polls until every
+  //    batch waited before the last `runahead` ones has completed, each against its own
+  //    deadline (its wait time + `timeout`). The host thus runs at most `runahead` waits ahead
+  //    of the device (1 on accelerators; 0 on a CPU group, where nothing orders compute after
+  //    the communication but the host). `host_complete` polls this batch too (a host read).
+  //    A host that blocks elsewhere meanwhile (a sync inside a stage, a full launch queue) is
+  //    bounded only by the process group's own timeout.
+  void wait(const std::shared_ptr<Batch>& batch, std::chrono::milliseconds timeout,
+            const std::string& what, bool host_complete = false);
+  // Polls every batch still watched (see wait) to completion or its deadline: a step's end.
+  void settle();
   // The process group's c10d store (every group has one; null only for a group built without).
   c10::intrusive_ptr<c10d::Store> store() const;
 
   // Thread-safe (called from the failure watcher): aborts every posted, unfinished batch
-  // (Work::abort, and the backend's abort where waits do not block the host) so a wait blocked
-  // on one returns at once; from then on post and wait throw CommAborted. Irreversible: the
-  // group's pending traffic is lost.
+  // (Work::abort, and the backend's abort on accelerators, where waits do not block the host)
+  // so a wait blocked on one returns at once; from then on post and wait throw CommAborted.
+  // Irreversible: the group's pending traffic is lost.
   void abort_all();
   bool aborted() const { return aborted_.load(); }
-
   // Keeps an unfinished batch (its works and buffers) alive for the rest of the process: after
   // a failure a late message may still land in a posted receive buffer, which must not have
   // been freed. Costs the batch's memory, only on failure.
   static void abandon(std::shared_ptr<Batch> batch);
+  // After a failure: abandons every watched batch (see abandon) and empties the list.
+  void abandon_watched();
 
  private:
+  struct Watched {
+    std::shared_ptr<Batch> batch;
+    std::chrono::steady_clock::time_point deadline;
+    std::chrono::milliseconds timeout;
+    std::string what;
+  };
+  void poll(Watched& w);
   void track_live(const std::shared_ptr<Batch>& batch);
+  void finish(Batch& batch);  // clears a completed batch, under live_mu_
 
   c10::intrusive_ptr<c10d::ProcessGroup> pg_;
   c10::Device device_;
   int rank_ = 0;
   int size_ = 1;
   bool coalesce_ = false;
-  bool host_blocking_ = true;
+  bool stream_ordered_ = false;
+  bool stream_wait_ = false;  // Work::wait is a stream wait (accelerators), see the constructor
+  size_t runahead_ = 0;
   std::string backend_name_;
+  std::deque<Watched> watched_;  // stream-ordered: waited for the stream, not yet seen complete
   // Posted batches that abort_all may have to abort (pruned of finished ones as posts go).
   std::mutex live_mu_;
   std::vector<std::weak_ptr<Batch>> live_;

@@ -15,13 +15,16 @@ struct TraceRecord {
   int64_t host_start_ns = 0; // steady clock (CLOCK_MONOTONIC): comparable across ranks of a host
   int64_t host_end_ns = 0;
   int64_t wait_ns = 0;       // part of the host time spent waiting for a receive
+  bool worker = false;       // ran on the executor's worker thread (OVERLAP_F_B's backward half),
+                             // overlapping the host records around it
   double device_start_us = -1.0;  // relative to the step's first device event; -1 if untimed
   double device_end_us = -1.0;
 };
 
 int64_t now_ns();
 
-// Chrome trace ("traceEvents", complete events): pid = rank, tid 0 host, tid 1 device.
+// Chrome trace ("traceEvents", complete events): pid = rank, tid 0 host, tid 1 device; a
+// worker record sits on the host lane too, with args.worker = 1.
 std::string chrome_trace_json(const std::vector<TraceRecord>& records);
 void write_chrome_trace(const std::string& path, const std::vector<TraceRecord>& records);
 

@@ -1,8 +1,10 @@
 // DualPipeV (DeepSeek-V3 report, arXiv 2412.19437; deepseek-ai/DualPipe dualpipev.py; PyTorch
 // ScheduleDualPipeV): the V-shaped half of DualPipe. Two stages per rank on the V topology
 // (chunk 0 = stage r, chunk 1 = stage 2p-1-r); in the main phase a forward of one chunk and a
-// full backward of the other run as one OVERLAP_F_B unit so their compute and communication
-// overlap. Rank r of p, m microbatches (m >= 2p so that the main phase is non-empty):
+// full backward of the other form one OVERLAP_F_B unit, whose halves the runtime runs at the
+// same time (the backward on a worker thread, the forward's SEND posted as soon as the forward
+// ends; see ExecutorOptions::overlap_f_b; model-level overlap of MoE dispatch/combine inside a
+// unit is not there yet). Rank r of p, m microbatches (m >= 2p so the main phase is non-empty):
 //   Step 1  2(p-r-1) times: F0
 //   Step 2  r+1 times: F0 F1
 //   Step 3  p-r-1 times: I1 W1 F1                       (zero bubble)

@@ -53,7 +53,11 @@ Program insert_send_recv(const Program& in) {
       }
       if (!ready) continue;
       out.ranks[r].push_back(a);
+      // Forward parts first: an OVERLAP_F_B unit's SEND_F comes right after it, where the
+      // runtime posts it as soon as the F half finishes (see comm_batches).
+      for (int forward_pass = 1; forward_pass >= 0; --forward_pass)
       for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
+        if ((s->kind == Kind::F) != (forward_pass == 1)) continue;
         done.at(s->stage, s->kind, s->microbatch) = 1;
         const int to = data_consumer(*s, in.num_stages);
         if (to < 0 || in.rank_of(to) == r) continue;

@@ -26,4 +26,24 @@ Program strip_backward(const Program& compute_only);
 //    cross-rank compute has its RECV before it, and a blocking-receive run finishes.
 void validate(const Program& p);
 
+// How the runtime posts one rank's communication: each maximal run of adjacent SEND/RECV
+// actions is one batch (one coalesced group), except that with `split_overlap` a run right
+// after an OVERLAP_F_B that opens with the SEND_F of the unit's F half posts that send alone
+// first (it goes out as soon as F finishes, while the unit's backward half still runs; also
+// when it is the whole run).
+// Ranges of action indices, in program order.
+struct CommBatch {
+  int begin = 0, end = 0;
+  bool after_f_half = false;  // the split-off SEND_F: posted when the unit's F half finishes
+};
+std::vector<CommBatch> comm_batches(const std::vector<Action>& acts, bool split_overlap);
+
+// The rendezvous check of a lowered, validated program: runs it under the rules of a
+// stream-ordered backend such as NCCL, where each batch (comm_batches) is one group posted
+// atomically on a stream of its own rank (groups in program order, each after the compute
+// before it), a send completes only once its receive's group is running, and a compute waits
+// for the whole group holding its receive. Throws ScheduleError (grid marked) on a deadlock
+// that validate()'s buffered-send run cannot see, for both settings of split_overlap.
+void validate_rendezvous(const Program& p);
+
 }  // namespace zbpipe

@@ -1,0 +1,226 @@
+// The in-process loopback backend: tag-matched delivery through memory, coalescing that only
+// groups what is recorded, and a per-rank log of every post, wait and poll.
+#include "runtime/loopback.h"
+
+#include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+#include <torch/csrc/distributed/c10d/Work.hpp>
+
+#include <cstring>
+#include <deque>
+#include <map>
+#include <mutex>
+#include <tuple>
+
+#include "runtime/errors.h"
+
+namespace zbpipe::runtime {
+
+namespace {
+class LoopbackWork;
+
+// Raw copy: a receive buffer may already be an autograd leaf when the data lands late (with
+// stream-like waits the receiver runs ahead), and the copy is transport, not computation.
+void deliver(const at::Tensor& dst, const at::Tensor& src) {
+  ZB_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes() && dst.is_cpu() && src.is_cpu(),
+           "loopback: a message of ", src.nbytes(), " bytes for a receive of ", dst.nbytes());
+  std::memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes());
+}
+}  // namespace
+
+struct LoopbackWorld::State {
+  struct Pending {  // a receive waiting for its message
+    at::Tensor buffer;
+    c10::intrusive_ptr<LoopbackWork> work;
+  };
+  using Key = std::tuple<int, int, int>;  // sender, receiver, tag
+  std::mutex mu;
+  int size = 0;
+  bool stream_waits = false;
+  std::map<Key, std::deque<at::Tensor>> messages;  // sent, not yet received
+  std::map<Key, std::deque<Pending>> receives;     // posted, not yet matched
+  std::vector<std::vector<LoopbackEvent>> logs;    // per rank
+  std::vector<int> next_work;                      // per rank
+
+  void log(int rank, LoopbackEvent e) {
+    std::lock_guard<std::mutex> lock(mu);
+    logs[rank].push_back(std::move(e));
+  }
+};
+
+namespace {
+
+// Completes once all of its ops have: one op for a lone send/recv, a whole coalesced group.
+class LoopbackWork : public c10d::Work {
+ public:
+  LoopbackWork(std::shared_ptr<LoopbackWorld::State> state, int rank, int id)
+      : c10d::Work(rank, c10d::OpType::UNKNOWN), state_(std::move(state)), rank_of_(rank), id_(id) {}
+
+  void add_op() {
+    std::lock_guard<std::mutex> lock(ops_mu_);
+    ++open_;
+  }
+  void op_done() {
+    bool all = false;
+    {
+      std::lock_guard<std::mutex> lock(ops_mu_);
+      all = --open_ == 0 && sealed_;
+    }
+    if (all) finish();
+  }
+  // No more ops join (a lone op, or endCoalescing).
+  void seal() {
+    bool all = false;
+    {
+      std::lock_guard<std::mutex> lock(ops_mu_);
+      sealed_ = true;
+      all = open_ == 0;
+    }
+    if (all) finish();
+  }
+  bool isCompleted() override {
+    if (!polled_.exchange(true)) state_->log(rank_of_, LoopbackEvent{LoopbackEvent::Type::Sync, id_, false, {}});
+    return c10d::Work::isCompleted();
+  }
+  bool wait(std::chrono::milliseconds timeout) override {
+    state_->log(rank_of_, LoopbackEvent{LoopbackEvent::Type::Wait, id_, false, {}});
+    if (state_->stream_waits) return true;
+    return c10d::Work::wait(timeout);
+  }
+  int id() const { return id_; }
+
+ private:
+  std::shared_ptr<LoopbackWorld::State> state_;
+  int rank_of_, id_;
+  std::mutex ops_mu_;
+  int open_ = 0;
+  bool sealed_ = false;
+  std::atomic<bool> polled_{false};
+};
+
+class LoopbackBackend : public c10d::Backend {
+ public:
+  LoopbackBackend(std::shared_ptr<LoopbackWorld::State> state, int rank, int size)
+      : c10d::Backend(rank, size), state_(std::move(state)) {}
+
+  const std::string getBackendName() const override { return "loopback"; }
+  bool supportsCoalescing() const override { return true; }
+
+  void startCoalescing() override {
+    ZB_CHECK(!group_, "loopback rank ", rank_, ": startCoalescing twice");
+    group_ = make_work();
+    group_ops_.clear();
+  }
+  c10::intrusive_ptr<c10d::Work> endCoalescing() override {
+    ZB_CHECK(group_, "loopback rank ", rank_, ": endCoalescing without startCoalescing");
+    auto work = std::move(group_);
+    group_.reset();
+    state_->log(rank_, LoopbackEvent{LoopbackEvent::Type::Post, work->id(), true, std::move(group_ops_)});
+    group_ops_.clear();
+    work->seal();
+    return work;
+  }
+
+  c10::intrusive_ptr<c10d::Work> send(std::vector<at::Tensor>& tensors, int dst, int tag) override {
+    return issue(true, tensors, dst, tag);
+  }
+  c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override {
+    return issue(false, tensors, src, tag);
+  }
+
+ private:
+  c10::intrusive_ptr<LoopbackWork> make_work() {
+    int id;
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      id = state_->next_work[rank_]++;
+    }
+    return c10::make_intrusive<LoopbackWork>(state_, rank_, id);
+  }
+
+  c10::intrusive_ptr<c10d::Work> issue(bool is_send, std::vector<at::Tensor>& tensors, int peer, int tag) {
+    ZB_CHECK(tensors.size() == 1, "loopback: one tensor per op, got ", tensors.size());
+    ZB_CHECK(peer >= 0 && peer < size_ && peer != rank_, "loopback rank ", rank_, ": bad peer ", peer);
+    const bool lone = !group_;
+    auto work = lone ? make_work() : group_;
+    work->add_op();
+    const at::Tensor& t = tensors[0];
+    LoopbackOp op{is_send, peer, tag, static_cast<int64_t>(t.numel() * t.element_size())};
+    if (lone) {
+      state_->log(rank_, LoopbackEvent{LoopbackEvent::Type::Post, work->id(), false, {op}});
+    } else {
+      group_ops_.push_back(op);
+    }
+    c10::intrusive_ptr<LoopbackWork> matched;  // a receive this send completes
+    {
+      std::lock_guard<std::mutex> lock(state_->mu);
+      if (is_send) {
+        auto& waiting = state_->receives[{rank_, peer, tag}];
+        if (!waiting.empty()) {
+          auto r = std::move(waiting.front());
+          waiting.pop_front();
+          deliver(r.buffer, t);
+          matched = std::move(r.work);
+        } else {
+          state_->messages[{rank_, peer, tag}].push_back(t.detach().clone().contiguous());
+        }
+      } else {
+        auto& sent = state_->messages[{peer, rank_, tag}];
+        if (!sent.empty()) {
+          deliver(tensors[0], sent.front());
+          sent.pop_front();
+          matched = work;
+        } else {
+          state_->receives[{peer, rank_, tag}].push_back({tensors[0], work});
+        }
+      }
+    }
+    if (is_send) work->op_done();  // buffered: a send completes at once
+    if (matched) matched->op_done();
+    if (lone) work->seal();
+    return work;
+  }
+
+  std::shared_ptr<LoopbackWorld::State> state_;
+  c10::intrusive_ptr<LoopbackWork> group_;  // open coalesced group, if any
+  std::vector<LoopbackOp> group_ops_;
+};
+
+}  // namespace
+
+LoopbackWorld::LoopbackWorld(int size, bool stream_waits) : state_(std::make_shared<State>()) {
+  ZB_CHECK(size >= 1, "a loopback world needs at least one rank, got ", size);
+  state_->size = size;
+  state_->stream_waits = stream_waits;
+  state_->logs.resize(size);
+  state_->next_work.assign(size, 0);
+  for (int r = 0; r < size; ++r) {
+    auto pg = c10::make_intrusive<c10d::ProcessGroup>(r, size);
+    auto backend = c10::make_intrusive<LoopbackBackend>(state_, r, size);
+    pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, backend);
+    pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
+    groups_.push_back(std::move(pg));
+  }
+}
+
+LoopbackWorld::~LoopbackWorld() = default;
+
+int LoopbackWorld::size() const { return state_->size; }
+
+c10::intrusive_ptr<c10d::ProcessGroup> LoopbackWorld::group(int rank) {
+  ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
+  return groups_[rank];
+}
+
+std::vector<LoopbackEvent> LoopbackWorld::events(int rank) const {
+  ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->logs[rank];
+}
+
+void LoopbackWorld::clear_events() {
+  std::lock_guard<std::mutex> lock(state_->mu);
+  for (auto& l : state_->logs) l.clear();
+}
+
+}  // namespace zbpipe::runtime

@@ -1,0 +1,63 @@
+// An in-process process group for tests and the NCCL model: the ranks of one world live in one
+// process (a thread each) and exchange messages through memory. Messages match on (sender,
+// receiver, tag) as on Gloo and a send completes at once (buffered); the backend supports
+// coalescing, as NCCL does, so a P2P over it posts what it would post on NCCL; and every call
+// the ranks make on it is recorded per rank, in issue order, for the model to replay under
+// NCCL's rules (tests/nccl_model.py). Not a transport for training: no timeouts of its own.
+#pragma once
+
+#include <c10/util/intrusive_ptr.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+namespace c10d {
+class ProcessGroup;
+}
+
+namespace zbpipe::runtime {
+
+struct LoopbackOp {
+  bool is_send = false;
+  int peer = -1;
+  int tag = 0;  // the wire tag (see wire_tag)
+  int64_t bytes = 0;
+};
+
+// One recorded call. `work` numbers the works of a rank: one per lone op, one per coalesced
+// group (what the caller can wait on).
+struct LoopbackEvent {
+  enum class Type : uint8_t {
+    Post,  // ops issued: one lone op, or a whole coalesced group at endCoalescing
+    Wait,  // Work::wait: the caller's stream (here: the caller) is ordered after the work
+    Sync,  // first Work::isCompleted poll of a work: the host waits for it
+  };
+  Type type = Type::Post;
+  int work = -1;
+  bool coalesced = false;
+  std::vector<LoopbackOp> ops;
+};
+
+class LoopbackWorld {
+ public:
+  // `stream_waits`: Work::wait returns at once, as a wait on a device stream does, so the
+  // caller's host runs ahead as on an accelerator -- its data may not have arrived yet, so
+  // only for failure tests. Default: Work::wait blocks until the work is complete.
+  explicit LoopbackWorld(int size, bool stream_waits = false);
+  ~LoopbackWorld();
+  int size() const;
+  // The process group of `rank` (one per rank; the same object on every call).
+  c10::intrusive_ptr<c10d::ProcessGroup> group(int rank);
+  // What `rank` has called so far, in order.
+  std::vector<LoopbackEvent> events(int rank) const;
+  void clear_events();
+
+  struct State;
+
+ private:
+  std::shared_ptr<State> state_;
+  std::vector<c10::intrusive_ptr<c10d::ProcessGroup>> groups_;
+};
+
+}  // namespace zbpipe::runtime
