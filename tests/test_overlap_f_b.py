@@ -88,6 +88,13 @@ def _one_rank_step(overlap):
     return prog, units, met, mods, ref, sched.trace()
 
 
+def test_every_trace_record_has_its_own_entry_and_plain_actions_no_unit():
+    *_, trace = _one_rank_step(overlap=True)
+    assert [r["entry"] for r in trace] == list(range(len(trace)))
+    plain = [r for r in trace if "OVERLAP" not in r["unit"]]
+    assert plain and all(r["unit"] == "" for r in plain)
+
+
 def test_halves_run_at_the_same_time_and_gradients_stay_exact():
     torch.set_num_threads(1)
     prog, units, met, mods, ref, trace = _one_rank_step(overlap=True)
@@ -100,6 +107,10 @@ def test_halves_run_at_the_same_time_and_gradients_stay_exact():
         f = next(r for r in trace if r["action"] == f"{f_stage}F{f_mb}")
         b = next(r for r in trace if r["action"] in (f"{b_stage}B{b_mb}", f"{b_stage}I{b_mb}"))
         assert f["index"] == b["index"]  # both name the unit's position in the program
+        assert f["entry"] != b["entry"]  # ... but each record has its own entry
+        unit = f"({f_stage}F{f_mb};{b['action']})OVERLAP_F_B"
+        alt = f"({b['action']};{f_stage}F{f_mb})OVERLAP_F_B"
+        assert f["unit"] == b["unit"] and f["unit"] in (unit, alt), (f, b)
         assert b["worker"] and not f["worker"]
         assert b["host_start_ns"] < f["host_end_ns"] and f["host_start_ns"] < b["host_end_ns"], (f, b)
 

@@ -66,3 +66,30 @@ def test_a_stopped_peer_fails_the_others_within_the_timeout():
     # Rank 0 runs ahead of its device: the receive that timed out is one it waited on before
     # the action that failed (run-ahead of one wait), named in the message.
     assert ">>" in out[0][1]
+
+
+def test_prepost_receives_is_refused_where_messages_do_not_complete_on_the_host():
+    pp, m = 2, 2
+    world = _C._LoopbackWorld(pp, stream_waits=True)
+
+    def rank_main(r):
+        x, y = torch.randn(2 * m, 4), torch.randn(2 * m, 4)
+        args, target = (x,) if r == 0 else (), y if r == pp - 1 else None
+        out = []
+        for prepost in (True, None):  # refused, then the default (off there) runs
+            stage = zbpipe.PipelineStage(Stops(), r, pp, "cpu", group=world.group(r))
+            sched = zbpipe.Schedule1F1B(stage, m, loss_fn=F.mse_loss, timeout=30.0,
+                                        stream_ordered=True, prepost_receives=prepost)
+            try:
+                sched.step(*args, target=target)
+                out.append(("ok", ""))
+            except Exception as e:  # noqa: BLE001 - the result is the point
+                out.append((type(e).__name__, str(e)))
+        return out
+
+    out = run_threads(world, rank_main, timeout=30)
+    assert sorted(out) == list(range(pp)), out
+    for r, (refused, default) in sorted(out.items()):
+        assert refused[0] == "ScheduleError" and "prepost_receives=True" in refused[1], (r, refused)
+        assert "stream-ordered" in refused[1], refused
+        assert default == ("ok", ""), (r, default)

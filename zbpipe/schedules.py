@@ -114,9 +114,12 @@ class PipelineSchedule:
         device_timing: record per-action device times (accelerators) in trace().
         compile_options: extra zbpipe.compile() arguments, e.g. for zb_auto
             dict(f=..., b=..., w=..., comm=..., memory_cap=...) (measured stage costs).
-        prepost_receives: on Gloo, post every receive of a step when it starts (a send then
-            finds its receive waiting); False posts each at its RECV action, as on NCCL,
-            holding fewer receive buffers at a time.
+        prepost_receives: post every receive of a step when it starts (a send then finds its
+            receive waiting), where messages complete on the host (Gloo). None (default): on
+            there, off on stream-ordered backends; False posts each at its RECV action,
+            holding fewer receive buffers at a time; True on a stream-ordered group (NCCL, or
+            stream_ordered=True) raises zbpipe.ScheduleError when the first step builds the
+            executor.
         static_shapes: keep the first step's shapes for every step, saving the one small
             message per step and rank through which the first stage's rank names the step's
             input signature (by default a new signature renegotiates the shapes). Every rank
@@ -155,7 +158,7 @@ class PipelineSchedule:
         timeout: float = 300.0,
         device_timing: bool = False,
         compile_options: dict | None = None,
-        prepost_receives: bool = True,
+        prepost_receives: bool | None = None,
         static_shapes: bool = False,
         stream_ordered: bool | None = None,
         overlap_f_b: bool = True,

@@ -385,6 +385,8 @@ py::dict trace_record_to_py(const runtime::TraceRecord& r) {
   d["action"] = r.action;
   d["rank"] = r.rank;
   d["index"] = r.index;
+  d["entry"] = r.entry;
+  d["unit"] = r.unit;
   d["host_start_ns"] = r.host_start_ns;
   d["host_end_ns"] = r.host_end_ns;
   d["wait_ns"] = r.wait_ns;
@@ -401,7 +403,7 @@ void register_runtime(py::module_& m) {
       "Runs one rank's lowered program over a c10d process group (see csrc/runtime/executor.h).")
       .def(py::init([](const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& pg,
                        const py::dict& stages, const at::Device& device, double timeout_s,
-                       bool device_timing, bool prepost_receives, bool static_shapes,
+                       bool device_timing, std::optional<bool> prepost_receives, bool static_shapes,
                        std::optional<bool> stream_ordered, bool overlap_f_b) {
              std::map<int, std::shared_ptr<runtime::StageHandle>> handles;
              for (auto [k, v] : stages)
@@ -419,7 +421,7 @@ void register_runtime(py::module_& m) {
            }),
            py::arg("program"), py::arg("process_group"), py::arg("stages"), py::arg("device"),
            py::arg("timeout_s") = 300.0, py::arg("device_timing") = false,
-           py::arg("prepost_receives") = true, py::arg("static_shapes") = false,
+           py::arg("prepost_receives") = py::none(), py::arg("static_shapes") = false,
            py::arg("stream_ordered") = py::none(), py::arg("overlap_f_b") = true)
       .def("run", &runtime::Executor::run, py::arg("loss_scale") = 1.0,
            py::call_guard<py::gil_scoped_release>(),

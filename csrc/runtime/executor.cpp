@@ -42,6 +42,11 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
   // Stream-ordered backends: refuse a program whose posts would deadlock there (a send
   // completes only once its receive is posted), before any message.
   if (p2p_->stream_ordered() && program_.pp > 1) validate_rendezvous(program_);
+  if (options_.prepost_receives.value_or(false) && p2p_->stream_ordered())
+    throw ScheduleError(detail::str(
+        "prepost_receives=True needs a backend whose messages complete on the host (Gloo); "
+        "this group (", p2p_->backend_name(), ") is stream-ordered, where receives are posted "
+        "at their RECV action: leave prepost_receives unset"));
   build_dispatch();
   for (const auto& h : stages_) queues_weight_.push_back(h->queues_weight_work() ? 1 : 0);
   for (const auto& h : stages_) syncs_grads_.push_back(h->syncs_gradients() ? 1 : 0);
@@ -123,7 +128,9 @@ void Executor::build_dispatch() {
         ZB_CHECK(false, "unexpected action '", to_string(a), "'");
     }
     entries_.push_back(e);
-    trace_.push_back(TraceRecord{to_string(a), rank_, index});
+    TraceRecord rec{to_string(a), rank_, index, static_cast<int>(trace_.size())};
+    if (acts[index].kind == Kind::OVERLAP_F_B) rec.unit = to_string(acts[index]);
+    trace_.push_back(std::move(rec));
   };
 
   // Batches as the core's comm_batches defines them (the rendezvous check models the same).
@@ -156,7 +163,7 @@ void Executor::build_dispatch() {
     }
     e.comm_end = static_cast<int>(comms_.size());
     entries_.push_back(e);
-    trace_.push_back(TraceRecord{name, rank_, e.index});
+    trace_.push_back(TraceRecord{name, rank_, e.index, static_cast<int>(trace_.size())});
   };
   for (size_t i = 0; i < acts.size();) {
     const Action& a = acts[i];
@@ -491,7 +498,7 @@ void Executor::run(double loss_scale) {
   }
   loss_scale_ = loss_scale;
   timer_->start_step();
-  prepost_ = options_.prepost_receives && p2p_->tag_matched();
+  prepost_ = options_.prepost_receives.value_or(true) && p2p_->host_completes();
   if (prepost_) {
     try {
       prepost_receives();

@@ -16,6 +16,7 @@
 
 #include <chrono>
 #include <map>
+#include <optional>
 #include <memory>
 #include <vector>
 
@@ -34,11 +35,13 @@ namespace zbpipe::runtime {
 struct ExecutorOptions {
   std::chrono::milliseconds timeout{300000};  // every wait: receives, sends, handshake
   bool device_timing = false;                 // per-action device events (accelerators only)
-  // On tag-matched backends (Gloo), post every receive of the step when the step starts rather
-  // than at its RECV action. A Gloo send whose receive is already posted goes out in one
-  // message; otherwise it waits for a receive-ready notice from the peer (an extra round trip
-  // through both ranks' transport threads). Costs the step's receive buffers up front.
-  bool prepost_receives = true;
+  // Post every receive of the step when the step starts rather than at its RECV action. Only
+  // where messages complete on the host (P2P::host_completes: Gloo): a Gloo send whose receive
+  // is already posted goes out in one message; otherwise it waits for a receive-ready notice
+  // from the peer (an extra round trip through both ranks' transport threads). Costs the step's
+  // receive buffers up front. Unset: on exactly where it works; true on a stream-ordered
+  // backend (NCCL matches by issue order: early receives would reorder it) is refused.
+  std::optional<bool> prepost_receives;
   // Shapes fixed at the first step: no per-step signature message (a changed input shape
   // then fails at the first stage whose output differs).
   bool static_shapes = false;

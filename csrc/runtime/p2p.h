@@ -69,9 +69,12 @@ class P2P {
   const std::string& backend_name() const { return backend_name_; }
   // Batches go out as one coalesced work (NCCL) rather than one work per tensor.
   bool coalesces() const { return coalesce_; }
-  // Messages match on (peer, tag) and complete on the host (Gloo): receives may be posted in
-  // any order and ahead of time. Stream-ordered backends (NCCL) match on issue order instead.
-  bool tag_matched() const { return !stream_ordered_; }
+  // The two disciplines, each named for what it is (exactly one holds):
+  //  - host_completes (Gloo): messages match on (peer, tag) and complete on the host, so
+  //    receives may be posted in any order and ahead of time;
+  //  - stream_ordered (NCCL): messages match in issue order per communicator and complete on
+  //    the device stream; every batch is coalesced and posted at its action.
+  bool host_completes() const { return !stream_ordered_; }
   bool stream_ordered() const { return stream_ordered_; }
 
   // Posts `ops` (non-empty) as one batch and returns it; the batch keeps the tensors alive.

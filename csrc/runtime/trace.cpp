@@ -16,15 +16,18 @@ int64_t now_ns() {
 }
 
 namespace {
-void append_event(std::string& out, const std::string& name, int pid, int tid, double ts_us,
-                  double dur_us, int64_t wait_ns, bool worker) {
+void append_event(std::string& out, const TraceRecord& r, int tid, double ts_us, double dur_us,
+                  int64_t wait_ns) {
   char buf[256];
   std::snprintf(buf, sizeof(buf),
                 "{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
-                "\"args\":{\"wait_us\":%.3f%s}}",
-                name.c_str(), pid, tid, ts_us, dur_us, wait_ns / 1000.0, worker ? ",\"worker\":1" : "");
+                "\"args\":{\"wait_us\":%.3f,\"entry\":%d%s",
+                r.action.c_str(), r.rank, tid, ts_us, dur_us, wait_ns / 1000.0, r.entry,
+                r.worker ? ",\"worker\":1" : "");
   if (out.back() != '[') out += ",\n";
   out += buf;
+  if (!r.unit.empty()) out += ",\"unit\":\"" + r.unit + "\"";
+  out += "}}";
 }
 }  // namespace
 
@@ -32,11 +35,10 @@ std::string chrome_trace_json(const std::vector<TraceRecord>& records) {
   std::string out = "{\"traceEvents\":[";
   for (const auto& r : records) {
     // Action strings are [0-9A-Z_();+] only: nothing to escape.
-    append_event(out, r.action, r.rank, 0, r.host_start_ns / 1000.0,
-                 (r.host_end_ns - r.host_start_ns) / 1000.0, r.wait_ns, r.worker);
+    append_event(out, r, 0, r.host_start_ns / 1000.0, (r.host_end_ns - r.host_start_ns) / 1000.0,
+                 r.wait_ns);
     if (r.device_start_us >= 0)
-      append_event(out, r.action, r.rank, 1, r.device_start_us,
-                   r.device_end_us - r.device_start_us, 0, r.worker);
+      append_event(out, r, 1, r.device_start_us, r.device_end_us - r.device_start_us, 0);
   }
   out += "],\"displayTimeUnit\":\"ms\"}\n";
   return out;

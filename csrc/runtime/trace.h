@@ -12,6 +12,9 @@ struct TraceRecord {
   std::string action;        // canonical action string; a comm batch joins its actions with '+'
   int rank = 0;
   int index = 0;             // position of the (first) action in the rank's program
+  int entry = 0;             // this record's own position in the step (unique per record: the
+                             // two halves of an OVERLAP_F_B share `index`, not `entry`)
+  std::string unit;          // for a half of an OVERLAP_F_B: that unit's action string, else ""
   int64_t host_start_ns = 0; // steady clock (CLOCK_MONOTONIC): comparable across ranks of a host
   int64_t host_end_ns = 0;
   int64_t wait_ns = 0;       // part of the host time spent waiting for a receive
