@@ -5,7 +5,10 @@
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <algorithm>
+
 #include "runtime/errors.h"
+#include "zbpipe/dependencies.h"
 #include "zbpipe/passes.h"
 
 namespace zbpipe::runtime {
@@ -78,7 +81,6 @@ const StageSignatures& Executor::signatures(int stage) const {
 
 void Executor::build_dispatch() {
   const auto& acts = program_.ranks[rank_];
-  const int last = program_.num_stages - 1;
   const int m = program_.microbatches;
   std::vector<int> local_of(program_.num_stages, -1);
   for (size_t i = 0; i < stage_ids_.size(); ++i) local_of[stage_ids_[i]] = static_cast<int>(i);
@@ -103,29 +105,24 @@ void Executor::build_dispatch() {
     e.kind = a.kind;
     ZB_CHECK(e.mb >= 0 && e.mb < m, "action '", to_string(a), "' has microbatch out of range");
     switch (a.kind) {
-      case Kind::F:
-        e.op = Op::Forward;
-        e.needs_recv = a.stage > 0 && !same_rank(a.stage - 1);
-        if (a.stage < last) {
-          if (same_rank(a.stage + 1)) e.handoff = local_of[a.stage + 1];
-          else e.to_send = true;
-        }
-        break;
-      case Kind::B:
-      case Kind::I:
-        e.op = a.kind == Kind::B ? Op::BackwardFull : Op::BackwardInput;
-        trains_[e.local] = 1;
-        e.needs_recv = a.stage < last && !same_rank(a.stage + 1);
-        if (a.stage > 0) {
-          if (same_rank(a.stage - 1)) e.handoff = local_of[a.stage - 1];
-          else e.to_send = true;
-        }
-        break;
-      case Kind::W:
-        e.op = Op::BackwardWeight;
-        break;
-      default:
-        ZB_CHECK(false, "unexpected action '", to_string(a), "'");
+      case Kind::F: e.op = Op::Forward; break;
+      case Kind::B: e.op = Op::BackwardFull; break;
+      case Kind::I: e.op = Op::BackwardInput; break;
+      case Kind::W: e.op = Op::BackwardWeight; break;
+      case Kind::SEND_F:
+      case Kind::RECV_F:
+      case Kind::SEND_B:
+      case Kind::RECV_B:
+      case Kind::OVERLAP_F_B: ZB_CHECK(false, "unexpected action '", to_string(a), "'");
+    }
+    if (is_backward(a.kind)) trains_[e.local] = 1;
+    // What it receives and where its result goes: the core's one definition of producers.
+    for (const Producer& d : producers_of(a, program_.num_stages))
+      if (d.data && !same_rank(d.stage)) e.needs_recv = true;
+    const int to = data_consumer(a, program_.num_stages);
+    if (to >= 0) {
+      if (same_rank(to)) e.handoff = local_of[to];
+      else e.to_send = true;
     }
     entries_.push_back(e);
     TraceRecord rec{to_string(a), rank_, index, static_cast<int>(trace_.size())};
@@ -150,13 +147,11 @@ void Executor::build_dispatch() {
       Comm k{c.kind, c.stage, local(c.stage, c), c.microbatch, -1, 0, static_cast<int>(i), {}};
       ZB_CHECK(c.microbatch >= 0 && c.microbatch < m, "action '", to_string(c),
                "' has microbatch out of range");
-      switch (c.kind) {
-        case Kind::SEND_F: k.peer = program_.rank_of(c.stage + 1); k.tag = data_tag(c.stage, false, c.microbatch, m); break;
-        case Kind::RECV_F: k.peer = program_.rank_of(c.stage - 1); k.tag = data_tag(c.stage - 1, false, c.microbatch, m); break;
-        case Kind::SEND_B: k.peer = program_.rank_of(c.stage - 1); k.tag = data_tag(c.stage - 1, true, c.microbatch, m); break;
-        case Kind::RECV_B: k.peer = program_.rank_of(c.stage + 1); k.tag = data_tag(c.stage, true, c.microbatch, m); break;
-        default: break;
-      }
+      // Peer and tag from the core's definition: a message is named by the boundary's lower
+      // stage and its direction.
+      const int peer_stage = comm_peer_stage(c);
+      k.peer = program_.rank_of(peer_stage);
+      k.tag = data_tag(std::min<int>(c.stage, peer_stage), comm_payload(c).either_backward(), c.microbatch, m);
       k.desc = detail::str(to_string(c), c.kind == Kind::SEND_F || c.kind == Kind::SEND_B ? " to rank " : " from rank ", k.peer);
       comms_.push_back(std::move(k));
       name += (name.empty() ? "" : "+") + to_string(c);
@@ -373,8 +368,12 @@ void Executor::post_comm(const Entry& e) {
         has_send = true;
         break;
       }
-      default:
-        break;
+      case Kind::F:
+      case Kind::B:
+      case Kind::I:
+      case Kind::W:
+      case Kind::OVERLAP_F_B:
+        ZB_CHECK(false, "a comm entry holds '", kind_name(k.kind), "'");
     }
   }
   if (ops.empty()) return;

@@ -11,6 +11,7 @@
 #include <string>
 
 #include "action_table.h"
+#include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 #include "zbpipe/passes.h"
 
@@ -68,10 +69,9 @@ void run(const Program& p, bool split_overlap) {
   // Pair each send with its receive (validate() checked they exist and agree in order).
   for (auto& op : ops) {
     const Action& a = p.ranks[groups[op.group].rank][op.action];
-    int other = -1;
-    if (a.kind == Kind::SEND_F) other = op_of.at(a.stage + 1, Kind::RECV_F, a.microbatch);
-    if (a.kind == Kind::SEND_B) other = op_of.at(a.stage - 1, Kind::RECV_B, a.microbatch);
     if (a.kind != Kind::SEND_F && a.kind != Kind::SEND_B) continue;
+    const Action recv = matching_recv(a);
+    const int other = op_of.at(recv.stage, recv.kind, recv.microbatch);
     ZB_SCHEDULE_CHECK(other >= 0, "validate_rendezvous: '", to_string(a), "' on rank ",
                       groups[op.group].rank, " has no receive (validate the program first)");
     op.partner = other;
@@ -91,11 +91,12 @@ void run(const Program& p, bool split_overlap) {
       }
       Step s{-1, i, {}};
       for (const Action* part = detail::parts_begin(a); part != detail::parts_end(a); ++part) {
-        int recv = -1;
-        if (part->kind == Kind::F && part->stage > 0) recv = op_of.at(part->stage, Kind::RECV_F, part->microbatch);
-        if (is_backward(part->kind) && part->stage + 1 < p.num_stages)
-          recv = op_of.at(part->stage, Kind::RECV_B, part->microbatch);
-        if (recv >= 0) s.waits.push_back(ops[recv].group);
+        for (const Producer& d : producers_of(*part, p.num_stages)) {
+          if (!d.data) continue;
+          const Action rv = recv_for(*part, d);
+          const int recv = op_of.at(rv.stage, rv.kind, rv.microbatch);  // -1: same rank
+          if (recv >= 0) s.waits.push_back(ops[recv].group);
+        }
       }
       steps[r].push_back(std::move(s));
     }

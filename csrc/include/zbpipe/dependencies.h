@@ -106,4 +106,14 @@ inline Action matching_send(const Action& recv) {
                 recv.microbatch);
 }
 
+// The RECV a SEND's message lands in, and the RECV that brings a compute the data of one of its
+// producers (on the consumer's stage).
+inline Action matching_recv(const Action& send) {
+  return Action(comm_peer_stage(send), send.kind == Kind::SEND_F ? Kind::RECV_F : Kind::RECV_B,
+                send.microbatch);
+}
+inline Action recv_for(const Action& part, const Producer& d) {
+  return Action(part.stage, d.kind == Kind::F ? Kind::RECV_F : Kind::RECV_B, part.microbatch);
+}
+
 }  // namespace zbpipe
