@@ -41,16 +41,23 @@ def _modules(num_stages: int) -> list[nn.Module]:
     return [nn.Linear(WIDTH, WIDTH) for _ in range(num_stages)]
 
 
+def _forwards(mods, x):
+    """Each stage's forward on a detached copy of the previous stage's output (the executor's
+    hand-off): (stage outputs, stage inputs)."""
+    outs, ins = [], []
+    h = x
+    for s, m in enumerate(mods):
+        h_in = h.detach().requires_grad_(s > 0)
+        ins.append(h_in)
+        h = m(h_in)
+        outs.append(h)
+    return outs, ins
+
+
 def _plain_loop(mods, xs, ys, n):
     for x, y in zip(xs, ys):
-        outs, ins = [], []
-        h = x
-        for s, m in enumerate(mods):
-            h_in = h.detach().requires_grad_(s > 0)
-            ins.append(h_in)
-            h = m(h_in)
-            outs.append(h)
-        (F.mse_loss(h, y) / n).backward()
+        outs, ins = _forwards(mods, x)
+        (F.mse_loss(outs[-1], y) / n).backward()
         grad = ins[-1].grad
         for s in range(len(mods) - 2, -1, -1):
             outs[s].backward(grad)
@@ -64,14 +71,8 @@ def _engine_loop(mods, xs, ys, n, split, caches):
 
     works = []
     for x, y in zip(xs, ys):
-        outs, ins = [], []
-        h = x
-        for s, m in enumerate(mods):
-            h_in = h.detach().requires_grad_(s > 0)
-            ins.append(h_in)
-            h = m(h_in)
-            outs.append(h)
-        roots = [F.mse_loss(h, y)]
+        outs, ins = _forwards(mods, x)
+        roots = [F.mse_loss(outs[-1], y)]
         grads = [torch.full_like(roots[0], 1.0 / n)]
         for s in range(len(mods) - 1, -1, -1):
             if split:
