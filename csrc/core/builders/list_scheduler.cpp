@@ -17,6 +17,7 @@
 #include "list_scheduler.h"
 
 #include <algorithm>
+#include <cstring>
 #include <utility>
 
 #include "zbpipe/dependencies.h"
@@ -73,37 +74,39 @@ struct Proposal {
 
 // The rank whose proposal comes first: earliest time, an action before a wake-up at the same
 // time, then the lower rank (the order the scheduler has always used). A tournament tree with
-// the keys in its nodes: an update walks one leaf-to-root path and stops where nothing changed.
+// the keys in its nodes: an update replays one leaf-to-root path. A key packs the time's bits
+// (times are >= 0, so their IEEE patterns order as unsigned integers) above the tie order, so
+// one integer comparison, which compiles without branches, orders two proposals.
 class ProposalTree {
  public:
   explicit ProposalTree(int ranks) {
     while (leaves_ < ranks) leaves_ *= 2;
-    node_.assign(2 * leaves_, {kNever, std::numeric_limits<int>::max()});
+    node_.assign(2 * leaves_, pack(kNever, ~0u));
   }
   void update(int r, const Proposal& pr) {
     size_t i = leaves_ + r;
-    node_[i] = {pr.time, pr.act ? r : leaves_ + r};
-    for (i /= 2; i >= 1; i /= 2) {
-      const Key& a = node_[2 * i];
-      const Key& b = node_[2 * i + 1];
-      const Key& win = a.before(b) ? a : b;
-      if (win.time == node_[i].time && win.order == node_[i].order) break;
-      node_[i] = win;
-    }
+    node_[i] = pack(pr.time, pr.act ? r : leaves_ + r);
+    for (i /= 2; i >= 1; i /= 2) node_[i] = std::min(node_[2 * i], node_[2 * i + 1]);
   }
   // The first rank, or -1 when no rank has anything to do.
   int top() const {
-    const Key& k = node_[1];
-    if (k.time == kNever) return -1;
-    return k.order >= leaves_ ? k.order - leaves_ : k.order;
+    const Key k = node_[1];
+    if (static_cast<uint64_t>(k >> 64) == bits(kNever)) return -1;
+    const int order = static_cast<int>(static_cast<uint32_t>(k));
+    return order >= leaves_ ? order - leaves_ : order;
   }
 
  private:
-  struct Key {
-    double time;
-    int order;  // r for an action, leaves_ + r for a wake-up
-    bool before(const Key& o) const { return time < o.time || (time == o.time && order < o.order); }
-  };
+  using Key = unsigned __int128;
+  static uint64_t bits(double t) {
+    uint64_t u;
+    std::memcpy(&u, &t, sizeof u);
+    return u;
+  }
+  // t + 0.0 turns a -0.0 into +0.0, the one non-negative double whose bits would sort last.
+  static Key pack(double t, uint32_t order) {
+    return static_cast<Key>(bits(t + 0.0)) << 64 | order;
+  }
   int leaves_ = 1;
   std::vector<Key> node_;  // heap layout: node_[leaves_ + r] is rank r's proposal
 };
