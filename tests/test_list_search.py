@@ -28,6 +28,23 @@ CASES = [(name, *random_case(random.Random(1000 * i + j), name))
          for j, name in enumerate(("zb_auto", "v_half", "v_min")) for i in range(25)]
 
 
+def long_zb_auto_case(rng):
+    # Deeper pipelines and more microbatches than random_case: the drain bound (a one-stage
+    # rank's last round trip) stops runs long before their end here.
+    pp = rng.randint(4, 10)
+    m = rng.randint(pp, 4 * pp)
+    f, b = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0)
+    costs = {"f": [f * rng.uniform(0.8, 1.2) for _ in range(pp)],
+             "b": [b * rng.uniform(0.8, 1.2) for _ in range(pp)],
+             "w": [rng.uniform(0.1, 1.5) for _ in range(pp)],
+             "comm": rng.choice([0.0, 0.05, 0.3]),
+             "memory_cap": rng.choice([pp, pp + 1, 2 * pp - 1, max(1, pp // 2)])}
+    return pp, m, costs
+
+
+CASES += [("zb_auto", *long_zb_auto_case(random.Random(7000 + i))) for i in range(40)]
+
+
 def programs(prog):
     return [prog.compute_actions(r) for r in range(prog.pp)]
 

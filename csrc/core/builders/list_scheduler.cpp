@@ -132,6 +132,13 @@ class ListScheduler {
       b_.push_back(costs.backward_input(s));
       w_.push_back(costs.backward_weight(s));
     }
+    // tail_[s]: the least time from the start of F(s, mb) to the end of W(s, mb): the forwards
+    // down to the last stage, the backward-inputs back, W, and comm at each change of rank.
+    tail_.assign(ns_, 0.0);
+    for (int s = ns_ - 1; s >= 0; --s) {
+      const double hop = s + 1 < ns_ && !same_rank(s, s + 1) ? 2.0 * comm_ : 0.0;
+      tail_[s] = f_[s] + b_[s] + (s + 1 < ns_ ? tail_[s + 1] - w_[s + 1] + hop : 0.0) + w_[s];
+    }
     if (m_ > 0) f_ready_[0] = 0.0;
     for (int r = 0; r < p.pp; ++r) {
       RankState& rk = ranks_[r];
@@ -175,7 +182,7 @@ class ListScheduler {
       --left;
       // Its clock plus the compute it still owes bounds the rank's last end from below (the
       // running sum drifts by float noise only, far below the bound's margin).
-      if (ranks_[r].sim_clock + ranks_[r].left_work > bound) return {};
+      if (ranks_[r].sim_clock + ranks_[r].left_work > bound || drain_bound(r) > bound) return {};
     }
     return result();
   }
@@ -198,6 +205,26 @@ class ListScheduler {
 
     bool has_w() const { return w_head < pending_w.size(); }
   };
+
+  // A second lower bound of a one-stage rank's last end: its last microbatch's W ends at least
+  // tail_ after that microbatch's F starts, and before that F the rank must run every earlier
+  // F of the stage and, to have room for it under the cap, the W (and their I) of all but
+  // cap - 1 earlier microbatches. It exceeds clock + work left when the drain (the last
+  // microbatch's round trip) is longer than what the rank still has to do meanwhile.
+  double drain_bound(int r) const {
+    const RankState& rk = ranks_[r];
+    if (rk.nstages != 1) return 0.0;  // a V rank's cap is sized to its drain: no gain there
+    const int s = rk.stage[0], last = m_ - 1;
+    if (next_f_[s] > last) {
+      if (next_i_[s] > last) return 0.0;  // only W left: clock + work left says it all
+      return sim_f_[idx(s, last)] - f_[s] + tail_[s];
+    }
+    const int freed = m_ - cap_[r];  // W done before the last F may start
+    const double before = (last - next_f_[s]) * f_[s] +
+                          std::max(0, freed - done_w_[s]) * w_[s] +
+                          std::max(0, freed - next_i_[s]) * b_[s];
+    return rk.sim_clock + before + tail_[s];
+  }
 
   size_t idx(int s, int mb) const { return static_cast<size_t>(s) * m_ + mb; }
   bool same_rank(int a, int b) const { return p_.stage_to_rank[a] == p_.stage_to_rank[b]; }
@@ -455,6 +482,7 @@ class ListScheduler {
   const int m_, ns_, last_stage_;
   const double comm_;
   std::vector<double> f_, b_, w_;       // per-stage costs
+  std::vector<double> tail_;            // per stage: least time from F start to W end
   std::vector<double> end_f_, end_i_;   // scheduler's end time per (stage, mb); kNever = not run
   std::vector<double> sim_f_, sim_i_;   // the simulator's end times of the same actions
   std::vector<int> next_f_, next_i_;    // per stage: next microbatch to run F / I on (in order)
