@@ -3,7 +3,8 @@
 //   - Grid points that no knob check of a run tells apart build the same program: each run
 //     narrows a set of grid points to those that decide as it did, and all of them are done.
 //   - Once a candidate matches every reference it is the bar: a run stops as soon as one rank's
-//     simulated clock plus its remaining work exceeds that candidate's makespan (it could only
+//     lower bound of its last end (clock plus remaining work, or its drain) exceeds that
+//     candidate's makespan (it could only
 //     lose), and all grid points still in its set stop with it.
 //   - Candidates are scored from the scheduler's own simulated timing, and only the best one
 //     is copied out.
