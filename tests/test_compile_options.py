@@ -10,10 +10,12 @@ from zbpipe.schedules import _cached_program
 
 SEARCHED = ["zb_auto", "v_half", "v_min"]
 # One legal value per option, in zbpipe.compile's spelling; memory_cap 0 = the schedule's own.
-VALUES = {"f": 1.5, "b": [1.0], "w": 0.5, "comm": 0.1, "memory_cap": 0, "b_full": 2.0}
+VALUES = {"f": 1.5, "b": [1.0], "w": 0.5, "comm": 0.1, "memory_cap": 0, "b_full": 2.0,
+          "search_threads": 2}
 def test_the_search_builders_take_costs_and_a_cap_and_no_other_does():
     for name in zbpipe.schedule_names():
-        expected = ["f", "b", "w", "comm", "memory_cap", "exhaustive_search"] if name in SEARCHED else []
+        expected = (["f", "b", "w", "comm", "memory_cap", "exhaustive_search", "search_threads"]
+                    if name in SEARCHED else [])
         assert zbpipe.schedule_options(name) == expected, name
 
 

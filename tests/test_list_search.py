@@ -1,12 +1,17 @@
 """The cost-driven builders' fast search (grid points merged when no knob check tells them apart,
 runs stopped at the best makespan so far, scores from the scheduler's own timing) picks exactly
-the program the exhaustive grid picks: every point run to the end and scored by zbpipe.simulate."""
+the program the exhaustive grid picks: every point run to the end and scored by zbpipe.simulate.
+The fast search shares its grid among threads; every thread count picks the same program."""
 
+import os
 import random
+import subprocess
+import sys
 
 import pytest
 
 import zbpipe
+from _subprocess_env import NEUTRAL_CWD, child_env
 from zbpipe import _C
 
 
@@ -65,3 +70,39 @@ def test_equal_costs_and_larger_sizes(name):
                                                    w=[9.337 / k], comm=0.601))]:
         fast = _C.compile(name, pp, m, **costs)
         assert programs(fast) == programs(_C.compile(name, pp, m, exhaustive_search=True, **costs))
+
+
+PAPER = dict(f=18.522, b=18.086, w=9.337, comm=0.601)  # per 1F1B stage, halved per V stage
+THREAD_CASES = [(name, 8, 24, opts) for name in ("zb_auto", "v_half", "v_min")
+                for opts in ({}, {n: v if n == "comm" else [v / (1 if name == "zb_auto" else 2)]
+                                  for n, v in PAPER.items()})]
+THREAD_CASES += CASES[::9]
+
+
+@pytest.mark.parametrize("name,pp,m,options", THREAD_CASES)
+def test_every_thread_count_picks_the_same_program(name, pp, m, options):
+    # Workers interleave differently on every run; at unit costs many grid points tie on every
+    # score and the lowest one must still win, as in a serial search.
+    one = programs(_C.compile(name, pp, m, search_threads=1, **options))
+    for threads in (2, 3, 8):
+        assert programs(_C.compile(name, pp, m, search_threads=threads, **options)) == one, threads
+
+
+def test_thread_count_is_checked():
+    with pytest.raises(zbpipe.ScheduleError, match="search_threads must be >= 0"):
+        zbpipe.compile("v_min", 4, 8, search_threads=-1)
+    assert programs(zbpipe.compile("v_min", 4, 8, search_threads=0)) == programs(
+        zbpipe.compile("v_min", 4, 8, search_threads=1))
+
+
+def test_default_thread_count_follows_the_cpus_this_process_may_use():
+    # The affinity mask, not the machine's CPU count: a launcher pinning a rank to one core gets
+    # a one-thread search. Pinned in a child process so this one keeps its mask.
+    cpus = sorted(os.sched_getaffinity(0))
+    assert _C.search_thread_count() == min(len(cpus), 8)
+    assert _C.search_thread_count(3) == 3
+    code = (f"import os; os.sched_setaffinity(0, {{{cpus[0]}}}); "
+            "from zbpipe import _C; print(_C.search_thread_count())")
+    out = subprocess.run([sys.executable, "-c", code], env=child_env(), cwd=NEUTRAL_CWD,
+                         capture_output=True, text=True, timeout=120, check=True).stdout
+    assert out.strip() == "1"

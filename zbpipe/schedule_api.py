@@ -41,6 +41,7 @@ def compile(
     b_full: Cost | None = None,
     comm: float | None = None,
     memory_cap: int | None = None,
+    search_threads: int | None = None,
 ) -> _C.Program:
     """Builds, lowers (SEND/RECV) and validates a schedule; raises ScheduleError on bad input.
 
@@ -48,7 +49,9 @@ def compile(
     activation cap in microbatches) steer the cost-driven schedules (``schedule_options(name)``:
     zb_auto, v_half, v_min). Any of them given to a schedule that does not use it raises
     ScheduleError naming the schedules that do; to time a program under costs, pass them to
-    ``simulate``. No schedule builds with ``b_full``.
+    ``simulate``. No schedule builds with ``b_full``. ``search_threads`` (the same three only)
+    sets how many threads share their search grid (default: one per CPU this process may run
+    on, at most 8); the program is the same for every value.
     """
     return _C.compile(
         schedule,
@@ -61,6 +64,7 @@ def compile(
         b_full=_given_list("b_full", b_full),
         comm=None if comm is None else float(comm),
         memory_cap=memory_cap,
+        search_threads=search_threads,
     )
 
 

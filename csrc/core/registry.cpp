@@ -10,8 +10,10 @@ namespace zbpipe {
 namespace {
 // Cost-driven builders search under the costs and a cap (and take the search mode); no builder
 // runs a full B, so b_full only matters to the simulator.
-const std::vector<std::string> kSearchOptions = {"f", "b", "w", "comm", "memory_cap",
-                                                 "exhaustive_search"};
+const std::vector<std::string> kSearchOptions = {"f",          "b",
+                                                 "w",          "comm",
+                                                 "memory_cap", "exhaustive_search",
+                                                 "search_threads"};
 }  // namespace
 
 const std::vector<ScheduleInfo>& schedule_registry() {

@@ -156,7 +156,8 @@ void register_core(py::module_& m) {
                       std::optional<std::vector<double>> f, std::optional<std::vector<double>> b,
                       std::optional<std::vector<double>> w,
                       std::optional<std::vector<double>> b_full, std::optional<double> comm,
-                      std::optional<int> memory_cap, bool exhaustive_search) {
+                      std::optional<int> memory_cap, bool exhaustive_search,
+                      std::optional<int> search_threads) {
           // An option left at None is not given: the schedule's default applies and no schedule
           // refuses it (see check_options).
           BuildArgs args;
@@ -178,12 +179,17 @@ void register_core(py::module_& m) {
             args.exhaustive_search = true;
             args.given.emplace_back("exhaustive_search");
           }
+          take("search_threads", search_threads, args.search_threads);
           py::gil_scoped_release nogil;
           return compile(name, args);
         }, py::arg("name"), py::arg("pp"), py::arg("microbatches"), py::arg("stages_per_rank") = 0,
         py::arg("f") = py::none(), py::arg("b") = py::none(), py::arg("w") = py::none(),
         py::arg("b_full") = py::none(), py::arg("comm") = py::none(),
-        py::arg("memory_cap") = py::none(), py::arg("exhaustive_search") = false);
+        py::arg("memory_cap") = py::none(), py::arg("exhaustive_search") = false,
+        py::arg("search_threads") = py::none());
+  m.def("search_thread_count", &search_thread_count, py::arg("search_threads") = 0,
+        "The threads zb_auto / v_half / v_min search on for a search_threads value (0 = the "
+        "default: the CPUs this process may run on, at most 8).");
   m.def("schedule_options", [](const std::string& name) { return find_schedule(name).options; },
         py::arg("name"), "The compile options (costs, memory_cap) the schedule's builder uses.");
   m.def("build", [](const std::string& name, int pp, int microbatches, int stages_per_rank) {

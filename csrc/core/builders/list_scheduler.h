@@ -108,11 +108,16 @@ struct Seed {
 // The pick is the one an exhaustive run of the grid would make, found with less work: grid
 // points whose runs consulted no knob value that tells them apart build one program and run
 // once; once some candidate matches every reference, a run stops as soon as it can no longer
-// reach that candidate's makespan; only the best candidate is kept. `exhaustive` runs every grid
-// point to the end and scores it with zbpipe::simulate instead (the reference the savings are
-// checked against).
+// reach that candidate's makespan; only the best candidate is kept; the grid points are shared
+// out among `threads` workers (0: one per CPU this process may use, at most 8), which pick the
+// same program as one. `exhaustive` runs every grid point to the end on one thread and scores
+// it with zbpipe::simulate instead (the reference the savings are checked against).
+struct SearchMode {
+  bool exhaustive = false;
+  int threads = 0;
+};
 Program search_list_schedules(const Program& shell, const CostModel& costs,
                               const std::vector<int>& cap, const PolicyGrid& grid,
-                              const std::vector<Seed>& seeds, bool exhaustive = false);
+                              const std::vector<Seed>& seeds, const SearchMode& mode = {});
 
 }  // namespace zbpipe::detail

@@ -9,11 +9,20 @@
 //   - Candidates are scored from the scheduler's own simulated timing, and only the best one
 //     is copied out.
 #include <algorithm>
+#include <atomic>
 #include <cmath>
+#include <exception>
+#include <system_error>
+#include <thread>
 #include <tuple>
 #include <utility>
 
+#ifdef __linux__
+#include <sched.h>
+#endif
+
 #include "list_scheduler.h"
+#include "zbpipe/builders.h"
 #include "zbpipe/error.h"
 #include "zbpipe/simulator.h"
 
@@ -61,19 +70,27 @@ bool fits_cap(const std::vector<int>& peaks, const std::vector<int>& cap) {
 class Picker {
  public:
   Picker(std::vector<Score> refs, int primary) : refs_(std::move(refs)), primary_(primary) {}
+  Picker(const Picker&) = default;
+  Picker(Picker&&) = default;
 
-  void offer(const Score& c, const Program& program) {
+  // `order` is the offer's place in the serial search (seeds first, then grid points in grid
+  // order): among equal keys the lowest wins, whatever order the workers offered them in.
+  void offer(const Score& c, const Program& program, long order) {
     double worst = 1.0;
     for (const Score& ref : refs_) worst = std::max(worst, round9(regret(c, ref)));
     const Key key{worst, c.makespan, c.bubble, c.memory};
     const bool pool[3] = {worst <= 1.0, primary_ >= 0 && regret(c, refs_[primary_]) <= 1.0, true};
     for (int t = 0; t < 3; ++t) {
       if (!pool[t] || (t > 0 && best_[0].set)) continue;
-      if (!best_[t].set || key < best_[t].key) {
-        best_[t].set = true;
-        best_[t].key = key;
-        best_[t].program = program;
-      }
+      if (better(key, order, best_[t])) best_[t] = {true, key, order, program};
+    }
+  }
+
+  // Takes in another worker's picks (same references).
+  void merge(Picker&& other) {
+    for (int t = 0; t < 3; ++t) {
+      Best& b = other.best_[t];
+      if (b.set && better(b.key, b.order, best_[t])) best_[t] = std::move(b);
     }
   }
 
@@ -97,8 +114,12 @@ class Picker {
   struct Best {
     bool set = false;
     Key key;
+    long order = 0;
     Program program;
   };
+  static bool better(const Key& key, long order, const Best& than) {
+    return !than.set || key < than.key || (key == than.key && order < than.order);
+  }
   std::vector<Score> refs_;
   int primary_;
   Best best_[3];
@@ -133,8 +154,10 @@ PolicyGrid PolicyGrid::standard(std::vector<std::vector<int>> warmups,
 
 Program search_list_schedules(const Program& shell, const CostModel& costs,
                               const std::vector<int>& cap, const PolicyGrid& grid,
-                              const std::vector<Seed>& seeds, bool exhaustive) {
+                              const std::vector<Seed>& seeds, const SearchMode& mode) {
   costs.check(shell.num_stages);
+  ZB_SCHEDULE_CHECK(mode.threads >= 0, shell.schedule,
+                    ": search_threads must be >= 0 (0 = one per CPU), got ", mode.threads);
   // Seeds: the references first (every candidate is measured against all of them).
   std::vector<Score> seed_scores;
   std::vector<bool> seed_fits;
@@ -152,34 +175,91 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
     if (seed.role == Seed::Role::kPrimary) primary = static_cast<int>(refs.size());
     if (seed.role != Seed::Role::kCandidate) refs.push_back(sc);
   }
-  Picker picker(std::move(refs), primary);
+  Picker picker(refs, primary);
+  const long first = -static_cast<long>(seeds.size());  // seeds come before every grid point
   for (size_t i = 0; i < seeds.size(); ++i)
-    if (seed_fits[i]) picker.offer(seed_scores[i], seeds[i].program);
+    if (seed_fits[i]) picker.offer(seed_scores[i], seeds[i].program, first + static_cast<long>(i));
 
   int points = 1;
   for (int k = 0; k < kNumKnobs; ++k) points *= grid.size(static_cast<Knob>(k));
-  std::vector<char> done(points, 0);
-  Program cand = shell;
-  for (int n = 0; n < points; ++n) {
-    if (done[n]) continue;
-    const PolicyIndex at = grid_point(grid, n);
-    PolicySet cell = PolicySet::all(grid);
-    const ListRunResult run =
-        exhaustive ? run_list_schedule(cand, costs, cap, grid, at, nullptr)
-                   : run_list_schedule(cand, costs, cap, grid, at, &cell, picker.bound());
-    if (!exhaustive)
-      for (int j = n; j < points; ++j)
-        if (!done[j] && cell.contains(grid_point(grid, j))) done[j] = 1;
-    if (!run.complete) continue;
-    ZB_CHECK(fits_cap(run.peak_activations, cap), "list scheduler broke the memory cap on '",
-             shell.schedule, "'");
-    // The reference scores with the simulator itself.
-    picker.offer(exhaustive ? score_of(simulate(cand, costs))
-                            : make_score(run.makespan, run.max_span, run.bubble_rate,
-                                         run.peak_activations),
-                 cand);
+  const bool exhaustive = mode.exhaustive;
+  // Workers take grid points in order from one counter. The pick does not depend on how they
+  // interleave: a run stops only when it can no longer reach the best pool-0 makespan found so
+  // far, which is never below the final pick's, and equal keys go to the lowest order. A stale
+  // `done` flag or `bar` (relaxed loads) costs only a duplicate run or a later stop.
+  const int workers = exhaustive ? 1 : std::min(search_thread_count(mode.threads), points);
+  std::atomic<int> next{0};
+  std::atomic<bool> failed{false};
+  std::atomic<double> bar{picker.bound()};  // the lowest bound any worker has reached
+  std::vector<std::atomic<char>> done(points);
+  std::vector<Picker> picks(workers, Picker(refs, primary));
+  std::vector<std::exception_ptr> errors(workers);
+  std::vector<int> error_at(workers, points);
+  auto work = [&](int id) {
+    Picker& mine = picks[id];
+    Program cand = shell;
+    int n = -1;
+    try {
+      while (!failed.load(std::memory_order_relaxed) &&
+             (n = next.fetch_add(1, std::memory_order_relaxed)) < points) {
+        if (done[n].load(std::memory_order_relaxed)) continue;
+        const PolicyIndex at = grid_point(grid, n);
+        PolicySet cell = PolicySet::all(grid);
+        const double bound = std::min(mine.bound(), bar.load(std::memory_order_relaxed));
+        const ListRunResult run =
+            exhaustive ? run_list_schedule(cand, costs, cap, grid, at, nullptr)
+                       : run_list_schedule(cand, costs, cap, grid, at, &cell, bound);
+        if (!exhaustive)
+          for (int j = n + 1; j < points; ++j)
+            if (cell.contains(grid_point(grid, j))) done[j].store(1, std::memory_order_relaxed);
+        if (!run.complete) continue;
+        ZB_CHECK(fits_cap(run.peak_activations, cap), "list scheduler broke the memory cap on '",
+                 shell.schedule, "'");
+        // The reference scores with the simulator itself.
+        mine.offer(exhaustive ? score_of(simulate(cand, costs))
+                              : make_score(run.makespan, run.max_span, run.bubble_rate,
+                                           run.peak_activations),
+                   cand, n);
+        const double reached = mine.bound();
+        for (double b = bar.load(); reached < b && !bar.compare_exchange_weak(b, reached);) {
+        }
+      }
+    } catch (...) {
+      errors[id] = std::current_exception();
+      error_at[id] = n;
+      failed.store(true);
+    }
+  };
+  std::vector<std::thread> helpers;
+  for (int id = 1; id < workers; ++id) {
+    try {
+      helpers.emplace_back(work, id);
+    } catch (const std::system_error&) {
+      break;  // no more threads to be had: the workers already started share the grid
+    }
   }
+  work(0);
+  for (std::thread& t : helpers) t.join();
+  // The error of the lowest grid point, the one a serial search would have met first.
+  const auto first_error = std::min_element(error_at.begin(), error_at.end());
+  if (*first_error < points) std::rethrow_exception(errors[first_error - error_at.begin()]);
+  for (Picker& p : picks) picker.merge(std::move(p));
   return picker.take();
 }
 
 }  // namespace zbpipe::detail
+
+namespace zbpipe {
+
+int search_thread_count(int requested) {
+  if (requested > 0) return requested;
+  int cpus = static_cast<int>(std::thread::hardware_concurrency());  // 0 when unknown
+#ifdef __linux__
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof set, &set) == 0) cpus = CPU_COUNT(&set);
+#endif
+  return std::min(std::max(cpus, 1), kMaxSearchThreads);
+}
+
+}  // namespace zbpipe

@@ -70,7 +70,7 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
   std::vector<Seed> seeds;
   seeds.push_back({std::move(laid_out), Seed::Role::kPrimary, /*must_fit=*/true});
   Program best = search_list_schedules(shell, a.costs, cap, PolicyGrid::standard({cap}, true),
-                                       seeds, a.exhaustive_search);
+                                       seeds, {a.exhaustive_search, a.search_threads});
   best.schedule = name;
   return best;
 }

@@ -84,7 +84,8 @@ Program build_zb_auto(const BuildArgs& a) {
   warmups.erase(std::unique(warmups.begin(), warmups.end()), warmups.end());
   Program best = detail::search_list_schedules(p, a.costs, std::vector<int>(a.pp, cap),
                                                detail::PolicyGrid::standard(warmups, false),
-                                               seed_programs(a, cap), a.exhaustive_search);
+                                               seed_programs(a, cap),
+                                               {a.exhaustive_search, a.search_threads});
   best.schedule = "zb_auto";
   return best;
 }

@@ -21,16 +21,25 @@ struct BuildArgs {
   // simulator (no merging of points that build the same program, no bound, no scores from the
   // scheduler's timing): the reference the fast search must agree with.
   bool exhaustive_search = false;
+  // Cost-driven builders: threads that share the search grid (0 = search_thread_count's
+  // default). The program does not depend on it.
+  int search_threads = 0;
   // The options among kBuildOptions the caller set. compile() refuses one the schedule does not
   // consult (ScheduleError naming the schedules that take it) instead of ignoring it.
   std::vector<std::string> given;
 };
 
+// The threads a cost-driven builder's search runs on for a given search_threads: that value when
+// > 0, else the CPUs this process may run on (its affinity mask, which a container's or
+// launcher's CPU pinning narrows), at most kMaxSearchThreads (a 96- or 144-point grid gains
+// little from more).
+inline constexpr int kMaxSearchThreads = 8;
+int search_thread_count(int requested);
+
 // The options a caller may set beyond the sizes: the cost model's fields, the memory cap, and
 // the search mode of the cost-driven builders.
-inline const std::vector<std::string> kBuildOptions = {"f",    "b",          "w",
-                                                       "b_full", "comm",     "memory_cap",
-                                                       "exhaustive_search"};
+inline const std::vector<std::string> kBuildOptions = {
+    "f", "b", "w", "b_full", "comm", "memory_cap", "exhaustive_search", "search_threads"};
 
 using Builder = std::function<Program(const BuildArgs&)>;
 
