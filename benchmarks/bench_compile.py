@@ -4,13 +4,16 @@ Both sides do the same work: build every rank's compute program, lower it with S
 (PyTorch: get_schedule_ops(..., with_comms=True), which builds, validates and runs
 _add_send_recv), and validate. Median of several runs per cell, measured in one process.
 
-A second table times the search-based schedules (zb_auto, v_half, v_min) against their own
-exhaustive grid, the search as it ran before: every grid point scheduled to the end and scored
-with the simulator (compile(..., exhaustive_search=True); it picks the same program, which
-tests/test_list_search.py checks), at unit costs and at the Zero Bubble paper's 1.5B costs.
+A second table times the search-based schedules (zb_auto, v_half, v_min) on one thread
+(search_threads=1) and on the default thread count (one per CPU this process may use, at most 8)
+against their own exhaustive grid, the search as it ran before: every grid point scheduled to
+the end and scored with the simulator (compile(..., exhaustive_search=True); it picks the same
+program, which tests/test_list_search.py checks), at unit costs and at the Zero Bubble paper's
+1.5B costs.
 
     PYTHONPATH=. python benchmarks/bench_compile.py          # full tables (32x128 cells take seconds)
     PYTHONPATH=. python benchmarks/bench_compile.py --quick  # skip the (32, 128) size
+    PYTHONPATH=. python benchmarks/bench_compile.py --search-only  # the second table only
 """
 
 from __future__ import annotations
@@ -101,9 +104,15 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=20, help="zbpipe runs per cell")
     parser.add_argument("--peer-reps", type=int, default=3,
                         help="PyTorch (and exhaustive-search) runs per cell")
+    parser.add_argument("--search-only", action="store_true",
+                        help="only the search-based schedules' table")
     args = parser.parse_args()
-    sizes = SIZES[:-1] if args.quick else SIZES
+    if not args.search_only:
+        lowering_table(SIZES[:-1] if args.quick else SIZES, args.reps, args.peer_reps)
+    search_table(SEARCH_SIZES[:-1] if args.quick else SEARCH_SIZES, args.reps, args.peer_reps)
 
+
+def lowering_table(sizes, reps: int, peer_reps: int) -> None:
     header = f"{'schedule':<18}{'pp':>4}{'m':>6}{'zbpipe ms':>12}{'torch ms':>12}{'speedup':>10}"
     print(header)
     print("-" * len(header))
@@ -113,22 +122,23 @@ def main() -> None:
                 zbpipe.compile(name, pp=pp, microbatches=m)
             except zbpipe.ScheduleError:
                 continue
-            ours = median_seconds(lambda: zbpipe.compile(name, pp=pp, microbatches=m), args.reps)
+            ours = median_seconds(lambda: zbpipe.compile(name, pp=pp, microbatches=m), reps)
             peer = PEERS.get(name)
-            theirs = torch_compile_time(peer, pp, m, args.peer_reps) if peer else None
+            theirs = torch_compile_time(peer, pp, m, peer_reps) if peer else None
             # "rejects": PyTorch raised on its own program (its 2.13 1F1B order skips mb 0 on
             # the last rank and fails its validator); "-": no such schedule in PyTorch.
             missing = "rejects" if peer else "-"
             t_col = f"{theirs * 1e3:12.1f}" if theirs is not None else f"{missing:>12}"
             r_col = f"{theirs / ours:9.0f}x" if theirs is not None else f"{'':>10}"
             print(f"{name:<18}{pp:>4}{m:>6}{ours * 1e3:12.3f}{t_col}{r_col}", flush=True)
-    search_table(SEARCH_SIZES[:-1] if args.quick else SEARCH_SIZES, args.reps, args.peer_reps)
 
 
 def search_table(sizes, reps: int, peer_reps: int) -> None:
-    print()
-    header = (f"{'schedule':<10}{'pp':>4}{'m':>6}{'costs':>7}{'search ms':>12}"
-              f"{'exhaustive ms':>15}{'speedup':>9}")
+    threads = _C.search_thread_count()
+    print(f"\nsearch on 1 thread and on the default {threads} (the CPUs this process may use, "
+          f"at most 8), against the exhaustive grid")
+    header = (f"{'schedule':<10}{'pp':>4}{'m':>6}{'costs':>7}{'1 thread ms':>13}"
+              f"{f'{threads} threads ms':>15}{'exhaustive ms':>15}{'speedup':>9}")
     print(header)
     print("-" * len(header))
     for name in SEARCHED:
@@ -136,11 +146,12 @@ def search_table(sizes, reps: int, peer_reps: int) -> None:
             k = 1 if name == "zb_auto" else 2
             for label, costs in (("unit", {}), ("1.5B", PAPER_COSTS)):
                 opts = {n: ([v / k] if n != "comm" else v) for n, v in costs.items()}
+                one = median_seconds(lambda: _C.compile(name, pp, m, search_threads=1, **opts), reps)
                 ours = median_seconds(lambda: _C.compile(name, pp, m, **opts), reps)
                 full = median_seconds(
                     lambda: _C.compile(name, pp, m, exhaustive_search=True, **opts), peer_reps)
-                print(f"{name:<10}{pp:>4}{m:>6}{label:>7}{ours * 1e3:12.2f}{full * 1e3:15.1f}"
-                      f"{full / ours:8.0f}x", flush=True)
+                print(f"{name:<10}{pp:>4}{m:>6}{label:>7}{one * 1e3:13.2f}{ours * 1e3:15.2f}"
+                      f"{full * 1e3:15.1f}{full / ours:8.0f}x", flush=True)
 
 
 if __name__ == "__main__":
