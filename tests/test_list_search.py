@@ -54,6 +54,12 @@ def programs(prog):
     return [prog.compute_actions(r) for r in range(prog.pp)]
 
 
+def paper_costs(name):
+    # The Zero Bubble paper's 1.5B model, per 1F1B stage; a V stage costs half.
+    k = 1 if name == "zb_auto" else 2
+    return dict(f=[18.522 / k], b=[18.086 / k], w=[9.337 / k], comm=0.601)
+
+
 @pytest.mark.parametrize("name,pp,m,options", CASES)
 def test_fast_search_picks_the_exhaustive_pick(name, pp, m, options):
     fast = _C.compile(name, pp, m, **options)
@@ -65,17 +71,13 @@ def test_fast_search_picks_the_exhaustive_pick(name, pp, m, options):
 def test_equal_costs_and_larger_sizes(name):
     # Equal costs make many grid points build the same program (the merging path); the 1.5B
     # costs make most of them differ (the bound path).
-    k = 1 if name == "zb_auto" else 2
-    for pp, m, costs in [(8, 24, {}), (8, 24, dict(f=[18.522 / k], b=[18.086 / k],
-                                                   w=[9.337 / k], comm=0.601))]:
+    for pp, m, costs in [(8, 24, {}), (8, 24, paper_costs(name))]:
         fast = _C.compile(name, pp, m, **costs)
         assert programs(fast) == programs(_C.compile(name, pp, m, exhaustive_search=True, **costs))
 
 
-PAPER = dict(f=18.522, b=18.086, w=9.337, comm=0.601)  # per 1F1B stage, halved per V stage
 THREAD_CASES = [(name, 8, 24, opts) for name in ("zb_auto", "v_half", "v_min")
-                for opts in ({}, {n: v if n == "comm" else [v / (1 if name == "zb_auto" else 2)]
-                                  for n, v in PAPER.items()})]
+                for opts in ({}, paper_costs(name))]
 THREAD_CASES += CASES[::9]
 
 

@@ -70,8 +70,6 @@ bool fits_cap(const std::vector<int>& peaks, const std::vector<int>& cap) {
 class Picker {
  public:
   Picker(std::vector<Score> refs, int primary) : refs_(std::move(refs)), primary_(primary) {}
-  Picker(const Picker&) = default;
-  Picker(Picker&&) = default;
 
   // `order` is the offer's place in the serial search (seeds first, then grid points in grid
   // order): among equal keys the lowest wins, whatever order the workers offered them in.
@@ -205,10 +203,11 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
         if (done[n].load(std::memory_order_relaxed)) continue;
         const PolicyIndex at = grid_point(grid, n);
         PolicySet cell = PolicySet::all(grid);
-        const double bound = std::min(mine.bound(), bar.load(std::memory_order_relaxed));
+        // `bar` is already at or below this worker's own bound: it lowers it after each offer.
         const ListRunResult run =
             exhaustive ? run_list_schedule(cand, costs, cap, grid, at, nullptr)
-                       : run_list_schedule(cand, costs, cap, grid, at, &cell, bound);
+                       : run_list_schedule(cand, costs, cap, grid, at, &cell,
+                                           bar.load(std::memory_order_relaxed));
         if (!exhaustive)
           for (int j = n + 1; j < points; ++j)
             if (cell.contains(grid_point(grid, j))) done[j].store(1, std::memory_order_relaxed);
@@ -240,7 +239,8 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   }
   work(0);
   for (std::thread& t : helpers) t.join();
-  // The error of the lowest grid point, the one a serial search would have met first.
+  // Points are taken in order and every taken one finishes, so the lowest failing point is
+  // known: its error is the one raised.
   const auto first_error = std::min_element(error_at.begin(), error_at.end());
   if (*first_error < points) std::rethrow_exception(errors[first_error - error_at.begin()]);
   for (Picker& p : picks) picker.merge(std::move(p));
