@@ -120,7 +120,12 @@ class Executor {
 
   // ---- the step (executor.cpp) ---------------------------------------------------------
   void begin_step(double loss_scale);  // agree on program and shapes, post early receives
-  bool runs_custom(const Entry& e) const;
+  // Whether entry `e` runs through custom_: the program's action decides (an OVERLAP_F_B
+  // unit, not its parts). Inline: asked once per entry.
+  bool runs_custom(const Entry& e) const {
+    return custom_ && !e.is_comm() &&
+           (custom_kinds_ >> static_cast<int>(program_.ranks[rank_][e.index].kind) & 1u);
+  }
   void run_here(size_t i);             // entry i on this thread, timed; fails the step
   void start_on_worker(size_t i);      // waits entry i's receive here, runs it on the worker
   void join_worker();                  // a failure of the worker's entry fails the step

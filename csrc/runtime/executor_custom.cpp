@@ -17,12 +17,6 @@ void Executor::set_custom_actions(std::shared_ptr<CustomActions> handler, const 
   custom_kinds_ = custom_ ? mask : 0;
 }
 
-bool Executor::runs_custom(const Entry& e) const {
-  // The program's action decides (an OVERLAP_F_B unit, not its parts).
-  return custom_ && !e.is_comm() &&
-         (custom_kinds_ >> static_cast<int>(program_.ranks[rank_][e.index].kind) & 1u);
-}
-
 size_t Executor::run_custom(size_t first) {
   const auto& entries = table_.entries;
   const int index = entries[first].index;
