@@ -475,6 +475,9 @@ void register_runtime(py::module_& m) {
              runtime::write_chrome_trace(path, e.trace());
            }, py::arg("path"));
 
+  m.def("_dispatch_table", &runtime::dispatch_rows, py::arg("program"), py::arg("rank"), py::arg("overlap_f_b") = true,
+        "The executor's dispatch table of `rank` as (entries, comms) tuples (csrc/runtime/dispatch.h).");
+
   py::class_<runtime::LoopbackWorld>(m, "_LoopbackWorld",
       "In-process process groups that record every post and wait (tests, the NCCL model; see "
       "csrc/runtime/loopback.h).")

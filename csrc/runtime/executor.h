@@ -5,28 +5,35 @@
 // (zbpipe::comm_batches) as one post. On stream-ordered backends (NCCL) it first checks the
 // program with rendezvous sends (validate_rendezvous). OVERLAP_F_B units run their backward
 // half on a worker thread while the forward half runs here (ExecutorOptions::overlap_f_b).
-// The dispatch table is built once per program; a step allocates only its receive buffers.
-// Before the first step the ranks compare program fingerprints (program_agreement.h); every
-// step starts by agreeing on its shapes (the first stage's rank names the step's input
-// signature, a new one is negotiated by the handshake, a known one reused), unless
-// static_shapes; a failing rank publishes its failure through the group's store and its peers'
-// pending communication is aborted (failure_watch.h). A data-parallel stage (DDP, FSDP2) gets
-// begin/end_gradient_sync around its last backward action of the step.
+// The dispatch table (dispatch.h) is built once per program; a step allocates only its
+// receive buffers. Before the first step the ranks compare program fingerprints
+// (program_agreement.h); every step starts by agreeing on its shapes (the first stage's rank
+// names the step's input signature, a new one is negotiated by the handshake, a known one
+// reused), unless static_shapes; a failing rank publishes its failure through the group's
+// store and its peers' pending communication is aborted (failure_watch.h). A data-parallel
+// stage (DDP, FSDP2) gets begin/end_gradient_sync around its last backward action of the step.
+//
+// Rooms: executor.cpp (the step and its compute verbs), dispatch.cpp (the table),
+// step_comms.cpp (posting and tracking messages), executor_failure.cpp (teardown and the
+// failure report), executor_agreement.cpp (what ranks agree on before a step),
+// executor_custom.cpp (register_custom_function's protocol).
 #pragma once
 
 #include <chrono>
 #include <map>
-#include <optional>
 #include <memory>
+#include <optional>
+#include <string>
 #include <vector>
 
+#include "runtime/custom_actions.h"
 #include "runtime/device.h"
+#include "runtime/dispatch.h"
 #include "runtime/failure_watch.h"
-#include "runtime/handshake.h"
+#include "runtime/local_stage.h"
 #include "runtime/overlap_worker.h"
 #include "runtime/p2p.h"
-#include "runtime/stage_backward.h"
-#include "runtime/stage_handle.h"
+#include "runtime/step_comms.h"
 #include "runtime/trace.h"
 #include "zbpipe/program.h"
 
@@ -36,8 +43,8 @@ struct ExecutorOptions {
   std::chrono::milliseconds timeout{300000};  // every wait: receives, sends, handshake
   bool device_timing = false;                 // per-action device events (accelerators only)
   // Post every receive of the step when the step starts rather than at its RECV action. Only
-  // where messages complete on the host (P2P::host_completes: Gloo): a Gloo send whose receive
-  // is already posted goes out in one message; otherwise it waits for a receive-ready notice
+  // where messages match by tag (P2P::Matching::Tag: Gloo): a Gloo send whose receive is
+  // already posted goes out in one message; otherwise it waits for a receive-ready notice
   // from the peer (an extra round trip through both ranks' transport threads). Costs the step's
   // receive buffers up front. Unset: on exactly where it works; true on a stream-ordered
   // backend (NCCL matches by issue order: early receives would reorder it) is refused.
@@ -52,163 +59,160 @@ struct ExecutorOptions {
   bool overlap_f_b = true;
 };
 
-// A user function replacing how the actions of some kinds run (Python's
-// register_custom_function). The executor calls run(action) once per such action instead of
-// its built-in computation; run must execute every compute part of the action (the action
-// itself, or each sub-action of an OVERLAP_F_B) exactly once through Executor::run_part, in any
-// order, and may do other work around them. Called without the Python GIL.
-class CustomActions {
- public:
-  virtual ~CustomActions() = default;
-  virtual void run(const Action& action) = 0;
-};
-
+// Not thread-safe: one thread drives an executor (its worker thread is its own business).
 class Executor {
  public:
   // `stages`: this rank's stages, keyed by global stage index (exactly prog.stages_of(rank)).
+  // Does not communicate. Throws ScheduleError when the group's size is not the program's pp,
+  // the program is compute-only (pp > 1), the stages are not the ones the program places on
+  // this rank, the program would deadlock on a stream-ordered backend (validate_rendezvous), or
+  // prepost_receives=True meets a stream-ordered backend; zbpipe::Error for an action this rank
+  // cannot run (see build_dispatch).
   Executor(Program program, std::unique_ptr<P2P> p2p,
            std::map<int, std::shared_ptr<StageHandle>> stages, ExecutorOptions options);
   ~Executor();
 
-  // Runs one step (every microbatch). The first call compares program fingerprints; each call
-  // agrees on the step's shapes (a handshake for a new input signature). Each microbatch loss
-  // starts its backward with gradient `loss_scale` (1/n: the gradient of the mean loss).
-  // Throws PipelineError naming the rank and failing action, with the program grid marked, and
-  // on a peer's failure naming that rank, its action and message. After a failure the
-  // executor (and the process group's pending traffic) is unusable. Call without the GIL.
+  // Runs one step (every microbatch). Blocks until this rank's part of the step is done: its
+  // sends completed, every receive waited (on stream-ordered backends: ordered for the stream
+  // and seen complete), each wait bounded by the timeout. The first call compares program
+  // fingerprints; each call agrees on the step's shapes (a handshake for a new input
+  // signature). Each microbatch loss starts its backward with gradient `loss_scale` (1/n: the
+  // gradient of the mean loss). Throws PipelineError naming the rank and failing action, with
+  // the program grid marked, and on a peer's failure naming that rank, its action and message;
+  // after a failure the executor (and the process group's pending traffic) is unusable and
+  // every later call throws. Call without the GIL.
   void run(double loss_scale = 1.0);
 
+  // Per-entry timing of the last step (valid after a run that returned).
   const std::vector<TraceRecord>& trace() const { return trace_; }
   const Program& program() const { return program_; }
   int rank() const { return rank_; }
+  // The bound of every wait from the next step on.
   void set_timeout(std::chrono::milliseconds t) { options_.timeout = t; }
-  // Agreed signatures of a local stage for the last step's inputs (after the first run).
+  // Agreed signatures of a local stage for the last step's inputs. Throws zbpipe::Error before
+  // the first step or for a stage this rank does not hold.
   const StageSignatures& signatures(int stage) const;
   // Shape handshakes run so far (one per distinct input signature, see negotiate_shapes).
   int handshakes() const { return handshakes_; }
 
   // A failure outside run() (the schedule's own checks before a step, on this rank): tells
-  // every peer, as a failing step does, and leaves the executor unusable.
+  // every peer, as a failing step does, and leaves the executor unusable. Blocks on the
+  // store only; never throws.
   void report_failure(const std::string& what);
   // The same for a rank whose executor could not even be built (e.g. stages placed where the
-  // program does not put them): its peers' executor of the same number learns `what`.
+  // program does not put them): its peers' executor of the same number learns `what`. Never
+  // throws.
   static void report_setup_failure(P2P& p2p, const std::string& what);
 
   // Actions of `kinds` (compute kinds) run through `handler` from the next step on; an empty
-  // list or a null handler restores the built-in computation. Call between steps.
+  // list or a null handler restores the built-in computation. Call between steps. Throws
+  // zbpipe::Error for a kind that is not a compute kind.
   void set_custom_actions(std::shared_ptr<CustomActions> handler, const std::vector<Kind>& kinds);
   // From inside CustomActions::run only: runs `part`, the action being run or one of its
-  // sub-actions, with the built-in computation (waiting on its receives, handing its result on).
+  // sub-actions, with the built-in computation (waiting on its receives, handing its result
+  // on). Blocks as that computation does. Throws zbpipe::Error outside a custom function, for
+  // a part not of the running action, or for one that already ran; what the part throws.
   void run_part(const Action& part);
 
  private:
-  enum class Op : uint8_t { Forward, BackwardInput, BackwardWeight, BackwardFull, Comm };
-  // One dispatch entry, precomputed from the program.
-  struct Entry {
-    Op op;
-    int index;         // action index in the rank's program (first one for a comm batch)
-    int stage = -1;
-    int local = -1;    // index into stages_ / per-stage tables
-    int mb = -1;
-    Kind kind = Kind::F;      // compute: the action's kind (F, B, I or W)
-    bool needs_recv = false;  // input comes from another rank: wait its receive first
-    int handoff = -1;         // local index of the same-rank neighbour receiving the result
-    bool to_send = false;     // result is sent later by a SEND action
-    int comm_begin = 0, comm_end = 0;  // Comm: range in comms_
-    bool sync_grads = false;  // the stage's last backward (B or W) of a step, and it syncs grads
-    bool on_worker = false;   // the backward half of an overlapped unit: runs on worker_
-    bool concurrent = false;  // runs while worker_ may be busy (the forward half, its SEND)
-  };
-  struct Comm {
-    Kind kind;       // SEND_F / RECV_F / SEND_B / RECV_B
-    int stage, local, mb, peer, tag, index;
-    std::string desc;  // "1RECV_F0 from rank 0", for error messages
-  };
-  // Per local stage and microbatch, the tensors in flight during a step.
-  struct Slot {
-    std::vector<at::Tensor> fwd_in, grad_in, fwd_out, grad_out;
-    std::vector<at::Tensor> saved_in, roots;  // from F to B/I: the backward's leaves and roots
-    WeightWork weight;                        // from I to W
-    std::shared_ptr<Batch> fwd_recv, grad_recv;
-    int fwd_recv_comm = -1, grad_recv_comm = -1;  // index in comms_ of the pending receive
-  };
+  // The local stages from their handles (LocalStage), and the entries that sync gradients.
+  void adopt_stages(std::map<int, std::shared_ptr<StageHandle>> stages);
 
-  void build_dispatch();
-  void mark_gradient_sync();  // Entry::sync_grads, once the handles are known
+  // ---- the step (executor.cpp) ---------------------------------------------------------
+  void begin_step(double loss_scale);  // agree on program and shapes, post early receives
+  // Whether entry `e` runs through custom_: the program's action decides (an OVERLAP_F_B
+  // unit, not its parts). Inline: asked once per entry.
+  bool runs_custom(const Entry& e) const {
+    return custom_ && !e.is_comm() &&
+           (custom_kinds_ >> static_cast<int>(program_.ranks[rank_][e.index].kind) & 1u);
+  }
+  void run_here(size_t i);             // entry i on this thread, timed; fails the step
+  void start_on_worker(size_t i);      // waits entry i's receive here, runs it on the worker
+  void join_worker();                  // a failure of the worker's entry fails the step
+  void end_step();                     // waits the sends, drops the step's tensors
+  // The verbs: one entry, no timing, no failure handling.
   void run_entry(const Entry& e, TraceRecord& rec);
-  // Runs the action of entries_[first] (all its entries) through custom_; returns the index
-  // of its last entry.
-  size_t run_custom(size_t first);
-  bool is_custom(Kind k) const { return custom_ && (custom_kinds_ >> static_cast<int>(k) & 1u); }
-  // B or I after its receive: the backward and the input gradients it hands on. `consumer`:
-  // on the worker, the caller's stream, on which tensors made here are recorded.
-  void run_backward(const Entry& e, const c10::Stream* consumer);
-  // Waits the receive of entries_[i] here, then runs its backward on the worker.
-  void start_on_worker(size_t i);
-  // Joins the worker if busy; a failure of its backward half fails the step at that unit.
-  void join_worker();
-  // Posts the sends of a comm entry and, unless they were preposted, its receives.
-  void post_comm(const Entry& e);
-  // Allocates the slot's buffers for receive action `k` and appends its receive ops.
-  void add_recv_ops(const Comm& k, std::vector<P2POp>& ops);
-  // Posts every receive of the step, one batch per action (waiting on one waits on no other).
-  void prepost_receives();
-  // Records `batch` as the pending receive of receive action comms_[c] in its slot.
-  void track_recv(int c, std::shared_ptr<Batch> batch);
-  void wait_recv(std::shared_ptr<Batch>& batch, int comm, TraceRecord& rec);
+  void forward(const Entry& e, TraceRecord& rec);
+  // B or I after its receive. `consumer`: on the worker, the caller's stream, on which the
+  // tensors made here are recorded.
+  void backward(const Entry& e, const c10::Stream* consumer);
+  // B/I's input gradients (zeros where none flowed), checked, to the next stage or the SEND.
+  void hand_on_input_grads(const Entry& e, const std::vector<at::Tensor>& inputs,
+                           std::vector<at::Tensor>& in_grads, const c10::Stream* consumer);
+  void weight(const Entry& e);
   void check_outputs(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want,
                      const char* what, int stage, int mb) const;
-  Slot& slot(int local, int mb) { return slots_[static_cast<size_t>(local) * program_.microbatches + mb]; }
-  // `index`: the failing action's, kStepStart before the first, or past the end after the last.
-  [[noreturn]] void fail(int index, const std::string& what);
-  static constexpr int kStepStart = -2;
+  Slot& slot(int local, int mb) { return stages_[local].slot(mb); }
+
+  // ---- failure (executor_failure.cpp) ---------------------------------------------------
+  static constexpr int kStepStart = -2;  // a failure before the step's first action
+  static constexpr int kStepEnd = -1;    // one after the last (waiting for the sends)
+  // Tears the step down (abandon_in_flight), marks the executor broken, tells the peers (or
+  // names the peer's failure that caused this one) and throws PipelineError with the program
+  // grid marked at `index`: the failing action's, kStepStart or kStepEnd.
+  [[noreturn]] void fail_step(int index, const std::string& what);
+  // What fail_step throws: publishes this rank's failure unless a peer's came first.
+  std::string failure_report(int index, const std::string& what);
+  // Runs `f`; a std::exception it throws fails the step at `index`, its text after `prefix`.
+  template <typename F>
+  void or_fail_step(int index, F&& f, const char* prefix = "") {
+    try {
+      f();
+    } catch (const std::exception& ex) {
+      fail_step(index, std::string(prefix) + ex.what());
+    }
+  }
   // After a failure: unfinished batches stay alive (see P2P::abandon), step state is dropped.
   void abandon_in_flight();
+  void clear_slots();
 
-  // Step-start agreement (executor_agreement.cpp).
+  // ---- step-start agreement (executor_agreement.cpp) ------------------------------------
   void ensure_watch();       // executor id + failure watch, on first use (groups of 2+ ranks)
   void agree_before_step();  // program fingerprints (first step), then negotiate_shapes
   // The first stage's rank sends the index of the step's input signature to every rank; a
   // new signature runs the handshake (every rank learns it is new from the index).
   void negotiate_shapes();
+  // The index of the step's input signature among shape_sets_ (its size: a new one), sent by
+  // the first stage's rank (which also fills `key`) and received by every other. Blocks on
+  // the receive (at most the timeout); throws PipelineError.
+  int64_t exchange_signature_index(Signature& key);
   void adopt_shapes(int set);  // make shape set `set` the current one
+
+  // ---- register_custom_function (executor_custom.cpp) -----------------------------------
+  // Runs the action of entries[first] (all its entries) through custom_; returns the index
+  // of its last entry.
+  size_t run_custom(size_t first);
 
   // One negotiated signature set: the key (the first stage's step inputs) and what follows.
   struct ShapeSet {
     Signature key;
-    std::vector<StageSignatures> sigs;  // local index ->
-    std::vector<std::vector<TensorSpec>> grad_specs, in_grad_specs;
+    std::vector<StageShapes> stages;  // by local index
+  };
+  // The custom action running now: its entries [begin, end) and which of them ran.
+  struct CustomRun {
+    size_t begin = 0, end = 0;
+    std::vector<uint8_t> done;
   };
 
   Program program_;
   std::unique_ptr<P2P> p2p_;
   int rank_;
   ExecutorOptions options_;
-  std::vector<int> stage_ids_;                       // local index -> global stage
-  std::vector<std::shared_ptr<StageHandle>> stages_; // local index -> handle
-  std::vector<StageSignatures> sigs_;                // local index -> agreed signatures
-  std::vector<std::vector<TensorSpec>> grad_specs_;  // local index -> differentiable outputs
-  std::vector<std::vector<TensorSpec>> in_grad_specs_;  // local index -> differentiable inputs
-  std::vector<uint8_t> trains_;                      // local index -> has backward actions
-  std::vector<uint8_t> queues_weight_;               // local index -> stage queues its own W work
-  std::vector<SplitPlanCache> split_plans_;          // local index -> I/W analysis per graph shape
-  double loss_scale_ = 1.0;
-  std::vector<Entry> entries_;
-  std::vector<Comm> comms_;
-  std::vector<Slot> slots_;
-  std::vector<std::shared_ptr<Batch>> pending_sends_;
-  std::vector<TraceRecord> trace_;
+  std::vector<LocalStage> stages_;  // by local index (ascending global stage)
+  DispatchTable table_;
+  std::vector<TraceRecord> trace_;  // per entry of table_
   std::unique_ptr<DeviceTimer> timer_;
+  std::unique_ptr<StepComms> comms_;
+  double loss_scale_ = 1.0;
+
   std::shared_ptr<CustomActions> custom_;  // register_custom_function's handler, or null
   uint32_t custom_kinds_ = 0;              // bit k: Kind k runs through custom_
-  size_t part_begin_ = 0, part_end_ = 0;   // entries of the custom action running now
-  std::vector<uint8_t> part_done_;         // per entry in [part_begin_, part_end_): ran
+  CustomRun part_;
   std::unique_ptr<OverlapWorker> worker_;  // created at the first overlapped unit
   int worker_index_ = -1;                  // action index of the unit the worker runs
-  bool prepost_ = false; // receives are posted at step start (see ExecutorOptions)
+
   bool ready_ = false;   // handshake done
   bool broken_ = false;  // a step failed
-  std::vector<uint8_t> syncs_grads_;  // local index -> stage wants begin/end_gradient_sync
   std::vector<ShapeSet> shape_sets_;  // in negotiation order (equal on every rank)
   int current_set_ = -1;
   int handshakes_ = 0;
@@ -217,10 +221,5 @@ class Executor {
   bool agreed_ = false;               // program fingerprints compared
   std::unique_ptr<FailureWatch> watch_;
 };
-
-// Tag of a data message: the boundary (lower stage of the edge), direction and microbatch,
-// times the per-message tensor capacity; tensor i of the message adds i.
-int data_tag(int boundary_stage, bool grad, int mb, int microbatches);
-constexpr int kMaxTensorsPerMessage = 64;
 
 }  // namespace zbpipe::runtime

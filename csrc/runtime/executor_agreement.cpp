@@ -56,33 +56,9 @@ void Executor::agree_before_step() {
 
 void Executor::negotiate_shapes() {
   if (options_.static_shapes && ready_) return;
-  const int r0 = program_.rank_of(0);
-  int64_t index = 0;  // static_shapes: the first (only) set
   Signature key;
-  if (!options_.static_shapes) {
-    auto opts = at::TensorOptions().dtype(at::kLong).device(p2p_->device());
-    if (rank_ == r0) {
-      key = stages_[0]->step_inputs();  // stage 0 is the lowest local stage of its rank
-      index = static_cast<int64_t>(shape_sets_.size());
-      for (size_t i = 0; i < shape_sets_.size(); ++i)
-        if (same(shape_sets_[i].key, key)) index = static_cast<int64_t>(i);
-      for (int r = 0; r < program_.pp; ++r)
-        if (r != rank_)  // waited at the end of the step, with the step's other sends
-          pending_sends_.push_back(p2p_->post({P2POp{true, r, step_signature_tag(), at::full({1}, index, opts)}}));
-    } else {
-      auto buf = at::empty({1}, opts);
-      auto batch = p2p_->post({P2POp{false, r0, step_signature_tag(), buf}});
-      try {
-        p2p_->wait(batch, options_.timeout, detail::str("the step's input signature from rank ", r0),
-                   /*host_complete=*/true);  // read on the host below
-      } catch (...) {
-        P2P::abandon(batch);
-        throw;
-      }
-      index = buf.cpu().item<int64_t>();  // a device backend: the host waits for it here
-    }
-  }
-  ZB_CHECK(index >= 0 && index <= static_cast<int64_t>(shape_sets_.size()), "rank ", r0,
+  const int64_t index = options_.static_shapes ? 0 : exchange_signature_index(key);  // static: the only set
+  ZB_CHECK(index >= 0 && index <= static_cast<int64_t>(shape_sets_.size()), "rank ", program_.rank_of(0),
            " named input signature ", index, " but ", shape_sets_.size(), " are known here");
   if (index < static_cast<int64_t>(shape_sets_.size())) {
     if (index != current_set_) adopt_shapes(static_cast<int>(index));
@@ -90,29 +66,54 @@ void Executor::negotiate_shapes() {
   }
   // A signature no step had: every rank runs the handshake for it.
   std::map<int, StageHandle*> handles;
-  for (size_t i = 0; i < stage_ids_.size(); ++i) handles[stage_ids_[i]] = stages_[i].get();
+  for (const auto& st : stages_) handles[st.stage] = st.handle.get();
   auto sigs = exchange_signatures(program_, *p2p_, handles, options_.timeout);
   ++handshakes_;
   ShapeSet set;
   set.key = std::move(key);
-  for (int s : stage_ids_) {
-    set.sigs.push_back(sigs.at(s));
-    set.grad_specs.push_back(differentiable(set.sigs.back().outputs.specs));
-    set.in_grad_specs.push_back(differentiable(set.sigs.back().inputs.specs));
+  for (const auto& st : stages_) {
+    StageShapes shapes;
+    shapes.sigs = sigs.at(st.stage);
+    shapes.grad_specs = differentiable(shapes.sigs.outputs.specs);
+    shapes.in_grad_specs = differentiable(shapes.sigs.inputs.specs);
+    set.stages.push_back(std::move(shapes));
   }
   shape_sets_.push_back(std::move(set));
   current_set_ = -1;  // infer_outputs already left the stages on these inputs
   adopt_shapes(static_cast<int>(shape_sets_.size()) - 1);
 }
 
+int64_t Executor::exchange_signature_index(Signature& key) {
+  const int r0 = program_.rank_of(0);
+  auto opts = at::TensorOptions().dtype(at::kLong).device(p2p_->device());
+  if (rank_ == r0) {
+    key = stages_[0].handle->step_inputs();  // stage 0 is the lowest local stage of its rank
+    int64_t index = static_cast<int64_t>(shape_sets_.size());
+    for (size_t i = 0; i < shape_sets_.size(); ++i)
+      if (same(shape_sets_[i].key, key)) index = static_cast<int64_t>(i);
+    for (int r = 0; r < program_.pp; ++r)
+      if (r != rank_)  // waited at the end of the step, with the step's other sends
+        comms_->add_send(p2p_->post({P2POp{true, r, step_signature_tag(), at::full({1}, index, opts)}}));
+    return index;
+  }
+  auto buf = at::empty({1}, opts);
+  auto batch = p2p_->post({P2POp{false, r0, step_signature_tag(), buf}});
+  try {
+    p2p_->wait(batch, options_.timeout, detail::str("the step's input signature from rank ", r0),
+               /*host_complete=*/true);  // read on the host below
+  } catch (...) {
+    P2P::abandon(batch);
+    throw;
+  }
+  return buf.cpu().item<int64_t>();  // a device backend: the host waits for it here
+}
+
 void Executor::adopt_shapes(int set) {
   const ShapeSet& s = shape_sets_[set];
   if (current_set_ >= 0)  // switching back to an earlier set: restore the stages' input structure
     for (size_t l = 0; l < stages_.size(); ++l)
-      if (stage_ids_[l] > 0) stages_[l]->use_inputs(s.sigs[l].inputs);
-  sigs_ = s.sigs;
-  grad_specs_ = s.grad_specs;
-  in_grad_specs_ = s.in_grad_specs;
+      if (stages_[l].stage > 0) stages_[l].handle->use_inputs(s.stages[l].sigs.inputs);
+  for (size_t l = 0; l < stages_.size(); ++l) stages_[l].shapes = s.stages[l];
   current_set_ = set;
   ready_ = true;
 }

@@ -13,6 +13,7 @@
 #include <tuple>
 
 #include "runtime/errors.h"
+#include "runtime/p2p.h"
 
 namespace zbpipe::runtime {
 
@@ -98,7 +99,8 @@ class LoopbackWork : public c10d::Work {
   std::atomic<bool> polled_{false};
 };
 
-class LoopbackBackend : public c10d::Backend {
+// Declares ModelsStreamWaits: P2P drives it as it drives NCCL, so the log is a GPU's.
+class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
  public:
   LoopbackBackend(std::shared_ptr<LoopbackWorld::State> state, int rank, int size)
       : c10d::Backend(rank, size), state_(std::move(state)) {}

@@ -1,9 +1,10 @@
 // An in-process process group for tests and the NCCL model: the ranks of one world live in one
 // process (a thread each) and exchange messages through memory. Messages match on (sender,
 // receiver, tag) as on Gloo and a send completes at once (buffered); the backend supports
-// coalescing, as NCCL does, so a P2P over it posts what it would post on NCCL; and every call
-// the ranks make on it is recorded per rank, in issue order, for the model to replay under
-// NCCL's rules (tests/nccl_model.py). Not a transport for training: no timeouts of its own.
+// coalescing, as NCCL does, and declares ModelsStreamWaits (p2p.h), so a P2P over it posts
+// and waits as it would on NCCL; and every call the ranks make on it is recorded per rank, in
+// issue order, for the model to replay under NCCL's rules (tests/nccl_model.py). Not a
+// transport for training: no timeouts of its own.
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>

@@ -33,17 +33,16 @@ P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device, P2POptio
   size_ = pg_->getSize();
   backend_name_ = pg_->getBackendName();
   // A one-rank pipeline never communicates (and may have no backend for `device`).
-  if (size_ > 1) coalesce_ = pg_->getBackend(device_.type())->supportsCoalescing();
-  // Only host backends complete a receive on the host; NCCL-style backends order the
-  // compute stream after the communication instead.
-  stream_ordered_ = options.stream_ordered.value_or(!device_.is_cpu());
-  // Work::wait orders the caller's stream after the work on accelerators. The loopback world
-  // (runtime/loopback.h) blocks there instead, so it takes the accelerator path and its log
-  // shows the calls made on a GPU. On a CPU group (Gloo) Work::wait has no deadline, and
-  // nothing but the host orders compute after a receive: complete each one before use.
-  stream_wait_ = !device_.is_cpu() ||
-                 (size_ > 1 && pg_->getBackend(device_.type())->getBackendName() == "loopback");
-  runahead_ = stream_wait_ ? 1 : 0;
+  c10::intrusive_ptr<c10d::Backend> backend;
+  if (size_ > 1) backend = pg_->getBackend(device_.type());
+  can_coalesce_ = backend && backend->supportsCoalescing();
+  matching_ = options.stream_ordered.value_or(!device_.is_cpu()) ? Matching::IssueOrder : Matching::Tag;
+  // Work::wait orders the caller's stream after the work on accelerators, and is driven so on
+  // a backend modelling one. On a CPU group (Gloo) Work::wait has no deadline, and nothing but
+  // the host orders compute after a receive: complete each one before use.
+  const bool stream_waits =
+      !device_.is_cpu() || (backend && dynamic_cast<const ModelsStreamWaits*>(backend.get()) != nullptr);
+  completion_ = matching_ == Matching::IssueOrder && stream_waits ? Completion::Stream : Completion::Host;
 }
 
 P2P::~P2P() = default;
@@ -59,9 +58,9 @@ std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
     const int tag = wire_tag(op.tag, op.is_send ? rank_ : op.peer, op.is_send ? op.peer : rank_);
     return op.is_send ? pg_->send(one, op.peer, tag) : pg_->recv(one, op.peer, tag);
   };
-  // Stream-ordered: a lone op would travel over another communicator than a coalesced one
-  // (and its peer may well batch the same message with others), so every batch is coalesced.
-  if (coalesce_ && (ops.size() > 1 || stream_ordered_)) {
+  // Issue order: a lone op would travel over another communicator than a coalesced one (and
+  // its peer may well batch the same message with others), so every batch is coalesced.
+  if (can_coalesce_ && (ops.size() > 1 || matching_ == Matching::IssueOrder)) {
     pg_->startCoalescing(device_.type());
     try {
       for (auto& op : ops) issue(op);
@@ -110,18 +109,38 @@ void P2P::finish(Batch& batch) {
   batch.tensors.clear();
 }
 
+template <typename F>
+void P2P::translated(const Watched& w, F&& f) {
+  try {
+    f();
+  } catch (const PipelineError&) {
+    throw;
+  } catch (const std::exception& e) {
+    if (aborted_) aborted_wait(w.what);
+    wait_failed(w.what, backend_name_, w.timeout, e.what());
+  }
+}
+
+void P2P::complete_on_host(Watched& w) {
+  for (auto& work : w.batch->works) {
+    if (!work) continue;
+    bool completed = false;
+    translated(w, [&] {
+      // Gloo completes a work in Work::wait (its isCompleted stays false until then): wait
+      // there, for what is left of the deadline.
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(w.deadline - std::chrono::steady_clock::now());
+      completed = work->wait(std::max(left, std::chrono::milliseconds(1)));
+    });
+    if (!completed || aborted_) aborted_wait(w.what);  // Work::wait returns false once aborted
+  }
+  finish(*w.batch);
+}
+
 void P2P::poll(Watched& w) {
   if (aborted_) aborted_wait(w.what);
   for (auto& work : w.batch->works) {
     if (!work) continue;
-    try {
-      if (!stream_wait_) {
-        // Host backends complete a work in Work::wait (Gloo's isCompleted stays false until
-        // then): wait there, for what is left of the deadline; false once aborted.
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(w.deadline - std::chrono::steady_clock::now());
-        if (!work->wait(std::max(left, std::chrono::milliseconds(1))) || aborted_) aborted_wait(w.what);
-        continue;
-      }
+    translated(w, [&] {
       for (int spins = 0; !work->isCompleted(); ++spins) {
         if (aborted_) aborted_wait(w.what);
         if (std::chrono::steady_clock::now() > w.deadline)
@@ -133,12 +152,7 @@ void P2P::poll(Watched& w) {
         }
       }
       if (auto e = work->exception()) std::rethrow_exception(e);
-    } catch (const PipelineError&) {
-      throw;
-    } catch (const std::exception& e) {
-      if (aborted_) aborted_wait(w.what);
-      wait_failed(w.what, backend_name_, w.timeout, e.what());
-    }
+    });
   }
   finish(*w.batch);
 }
@@ -148,37 +162,19 @@ void P2P::wait(const std::shared_ptr<Batch>& batch, std::chrono::milliseconds ti
   ZB_CHECK(batch, "waiting on no batch (", what, ")");
   if (batch->done) return;
   if (aborted_) aborted_wait(what);
-  if (!stream_ordered_) {
-    for (auto& w : batch->works) {
-      if (!w) continue;
-      bool completed = true;
-      try {
-        completed = w->wait(timeout);
-      } catch (const std::exception& e) {
-        if (aborted_) aborted_wait(what);
-        wait_failed(what, backend_name_, timeout, e.what());
-      }
-      if (!completed || aborted_) aborted_wait(what);  // Work::wait returns false once aborted
-    }
-    finish(*batch);
+  Watched w{batch, std::chrono::steady_clock::now() + timeout, timeout, what};
+  if (completion_ == Completion::Host) {
+    complete_on_host(w);
     return;
   }
-  Watched w{batch, std::chrono::steady_clock::now() + timeout, timeout, what};
-  if (!stream_wait_) {
-    poll(w);  // the host is the only order there is: complete before use
-  } else {
-    try {
-      for (auto& work : batch->works)
-        if (work) work->wait();  // the current stream waits; the host does not
-    } catch (const std::exception& e) {
-      if (aborted_) aborted_wait(what);
-      wait_failed(what, backend_name_, timeout, e.what());
-    }
-    if (host_complete) poll(w);
-    else watched_.push_back(std::move(w));
-  }
+  translated(w, [&] {
+    for (auto& work : batch->works)
+      if (work) work->wait();  // the current stream waits; the host does not
+  });
+  if (host_complete) poll(w);
+  else watched_.push_back(std::move(w));
   batch->done = true;
-  while (watched_.size() > runahead_) {
+  while (watched_.size() > 1) {  // the host runs at most one wait ahead of the device
     poll(watched_.front());
     watched_.pop_front();
   }

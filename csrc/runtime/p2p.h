@@ -9,6 +9,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstdint>
 #include <deque>
 #include <memory>
 #include <mutex>
@@ -45,19 +46,49 @@ int wire_tag(int tag, int sender, int receiver);
 struct Batch;
 
 struct P2POptions {
-  // Post and wait as on a stream-ordered backend (NCCL): every batch goes out coalesced where
-  // the backend supports coalescing (so both ends of every message use the group
-  // communicator: ProcessGroupNCCL sends a lone, uncoalesced op over a two-rank communicator
-  // of its own unless the group was created with a device_id), receives are posted at their
-  // RECV action, and waits only order the stream, their completion polled against a deadline
-  // (see wait). Unset: true off the CPU. True on a CPU group posts as on NCCL over Gloo or the
-  // loopback world (tests, the NCCL model).
+  // Post as on a stream-ordered backend (NCCL): Matching::IssueOrder, whatever the backend.
+  // Unset: true off the CPU. True on a CPU group posts as on NCCL over Gloo or the loopback
+  // world (tests, the NCCL model).
   std::optional<bool> stream_ordered;
 };
 
+// How the two ends of a message find each other, which decides how batches are posted.
+enum class Matching : uint8_t {
+  // Gloo: on (peer, tag). Receives may be posted in any order and ahead of time; a batch is
+  // coalesced only when it has several ops (and the backend can coalesce).
+  Tag,
+  // NCCL: in issue order per communicator. Receives are posted at their RECV action, and
+  // every batch goes out coalesced where the backend can coalesce, so both ends of every
+  // message use the group communicator (ProcessGroupNCCL sends a lone, uncoalesced op over a
+  // two-rank communicator of its own unless the group was created with a device_id).
+  IssueOrder,
+};
+
+// What Work::wait does, which decides how a wait completes.
+enum class Completion : uint8_t {
+  // The host completes each batch in Work::wait, bounded by its deadline: Matching::Tag
+  // always (its receives are posted ahead and read on the host), and Matching::IssueOrder
+  // over a CPU group (Gloo, where nothing but the host orders compute after a receive).
+  Host,
+  // Work::wait orders the caller's stream after the work and returns (accelerators, with
+  // Matching::IssueOrder); completion is polled against a deadline (see P2P::wait).
+  Stream,
+};
+
+// A capability a CPU backend declares (deriving from it besides c10d::Backend) when it models
+// an accelerator backend: P2P drives its works as stream waits (Completion::Stream) under
+// Matching::IssueOrder, so the calls it records are the ones made on a GPU. The loopback
+// world's backend declares it (loopback.h).
+class ModelsStreamWaits {
+ public:
+  virtual ~ModelsStreamWaits() = default;
+};
+
+// Not thread-safe, except abort_all and aborted (the failure watcher calls them).
 class P2P {
  public:
-  // `device` is where messages live: CPU for Gloo, the rank's GPU for NCCL.
+  // `device` is where messages live: CPU for Gloo, the rank's GPU for NCCL. Does not
+  // communicate; throws zbpipe::Error without a group.
   P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device, P2POptions options = {});
   ~P2P();
   P2P(const P2P&) = delete;
@@ -67,34 +98,28 @@ class P2P {
   int size() const { return size_; }
   const c10::Device& device() const { return device_; }
   const std::string& backend_name() const { return backend_name_; }
-  // Batches go out as one coalesced work (NCCL) rather than one work per tensor.
-  bool coalesces() const { return coalesce_; }
-  // The two disciplines, each named for what it is (exactly one holds):
-  //  - host_completes (Gloo): messages match on (peer, tag) and complete on the host, so
-  //    receives may be posted in any order and ahead of time;
-  //  - stream_ordered (NCCL): messages match in issue order per communicator and complete on
-  //    the device stream; every batch is coalesced and posted at its action.
-  bool host_completes() const { return !stream_ordered_; }
-  bool stream_ordered() const { return stream_ordered_; }
+  Matching matching() const { return matching_; }
+  Completion completion() const { return completion_; }
+  bool stream_ordered() const { return matching_ == Matching::IssueOrder; }
 
   // Posts `ops` (non-empty) as one batch and returns it; the batch keeps the tensors alive.
-  // Coalesced when the backend supports it and the batch has several ops, or always on a
-  // stream-ordered backend (one communicator, one grouping rule at both ends of a message).
+  // Coalesced as `matching()` says. Does not block; throws CommAborted once aborted, what the
+  // backend throws otherwise.
   std::shared_ptr<Batch> post(std::vector<P2POp> ops);
 
   // Completes `batch` for the current stream (idempotent). `what` (e.g. "1RECV_F0 from rank
-  // 0") goes into the error message; PipelineError on timeout or peer failure.
-  //  - host backends (Gloo): blocks the host for at most `timeout`;
-  //  - stream-ordered: makes the current stream wait on the batch, then polls until every
-  //    batch waited before the last `runahead` ones has completed, each against its own
-  //    deadline (its wait time + `timeout`). The host thus runs at most `runahead` waits ahead
-  //    of the device (1 on accelerators; 0 on a CPU group, where nothing orders compute after
-  //    the communication but the host). `host_complete` polls this batch too (a host read).
-  //    A host that blocks elsewhere meanwhile (a sync inside a stage, a full launch queue) is
-  //    bounded only by the process group's own timeout.
+  // 0") goes into the error message. Throws PipelineError when the batch fails or misses its
+  // deadline (now + `timeout`), CommAborted once aborted.
+  //  - Completion::Host: blocks the host until the batch completes or its deadline;
+  //  - Completion::Stream: makes the current stream wait on the batch, then polls until every
+  //    batch waited before the last one has completed, each against its own deadline. The
+  //    host thus runs at most one wait ahead of the device. `host_complete` polls this batch
+  //    too (a host read). A host that blocks elsewhere meanwhile (a sync inside a stage, a
+  //    full launch queue) is bounded only by the process group's own timeout.
   void wait(const std::shared_ptr<Batch>& batch, std::chrono::milliseconds timeout,
             const std::string& what, bool host_complete = false);
   // Polls every batch still watched (see wait) to completion or its deadline: a step's end.
+  // Blocks; throws as wait does.
   void settle();
   // The process group's c10d store (every group has one; null only for a group built without).
   c10::intrusive_ptr<c10d::Store> store() const;
@@ -113,13 +138,18 @@ class P2P {
   void abandon_watched();
 
  private:
+  // A batch being completed, with its deadline.
   struct Watched {
     std::shared_ptr<Batch> batch;
     std::chrono::steady_clock::time_point deadline;
     std::chrono::milliseconds timeout;
     std::string what;
   };
-  void poll(Watched& w);
+  void complete_on_host(Watched& w);  // Completion::Host: Work::wait until the deadline
+  void poll(Watched& w);              // Completion::Stream: isCompleted until the deadline
+  // Runs `f` (a backend call on `w`'s batch), turning what it throws into the wait's error.
+  template <typename F>
+  void translated(const Watched& w, F&& f);
   void track_live(const std::shared_ptr<Batch>& batch);
   void finish(Batch& batch);  // clears a completed batch, under live_mu_
 
@@ -127,12 +157,11 @@ class P2P {
   c10::Device device_;
   int rank_ = 0;
   int size_ = 1;
-  bool coalesce_ = false;
-  bool stream_ordered_ = false;
-  bool stream_wait_ = false;  // Work::wait is a stream wait (accelerators), see the constructor
-  size_t runahead_ = 0;
+  bool can_coalesce_ = false;  // the backend's capability (supportsCoalescing)
+  Matching matching_ = Matching::Tag;
+  Completion completion_ = Completion::Host;
   std::string backend_name_;
-  std::deque<Watched> watched_;  // stream-ordered: waited for the stream, not yet seen complete
+  std::deque<Watched> watched_;  // Completion::Stream: waited for the stream, not yet seen complete
   // Posted batches that abort_all may have to abort (pruned of finished ones as posts go).
   std::mutex live_mu_;
   std::vector<std::weak_ptr<Batch>> live_;

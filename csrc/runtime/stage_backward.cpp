@@ -6,9 +6,13 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
+#include <c10/util/Type.h>
+
 #include <algorithm>
-#include <cstring>
+#include <string>
+#include <typeindex>
 #include <typeinfo>
+#include <unordered_map>
 #include <unordered_set>
 
 #include "zbpipe/error.h"
@@ -45,10 +49,16 @@ void root_edges(const std::vector<at::Tensor>& roots, const std::vector<at::Tens
 // Torch's generated backward nodes (torch::autograd::generated::*) compute only the outputs
 // the running graph task needs (task_should_compute_output) and have no side effects, so a
 // boundary node of theirs can run its input side in I and its weight side in W. Not all of
-// them derive from TraceableFunction (TBackward0 is a plain Node), hence the namespace test.
-bool is_generated(const Node& n) {
-  static constexpr char kPrefix[] = "N5torch8autograd9generated";  // Itanium mangling
-  return std::strncmp(typeid(n).name(), kPrefix, sizeof(kPrefix) - 1) == 0;
+// them derive from TraceableFunction (TBackward0 is a plain Node), hence a test of the class's
+// namespace, read from its demangled name (the same on every C++ ABI; MSVC's start with
+// "struct "). A class of another namespace merely naming a generated one (a template
+// argument) does not pass.
+bool is_generated_type(const std::type_info& type) {
+  static constexpr char kNamespace[] = "torch::autograd::generated::";
+  const std::string name = c10::demangle(type.name());
+  const size_t at = name.find(kNamespace);
+  return at == 0 || (at != std::string::npos && (name.compare(0, at, "struct ") == 0 ||
+                                                 name.compare(0, at, "class ") == 0));
 }
 
 // Role of a node in the split, by DFS index.
@@ -76,20 +86,25 @@ constexpr uint64_t kInvalidEdge = ~uint64_t{0};
 constexpr uint64_t kInputMark = ~uint64_t{0} - 1;
 constexpr size_t kMaxShapes = 4;  // graph shapes remembered per stage
 
+// What a re-run boundary node received in I.
+struct CapturedInputs {
+  variable_list grads;
+  bool fired = false;  // it ran in I (nothing may have reached it)
+};
+
 // Captures the gradients a boundary node is about to run on (appended last to its pre-hooks:
 // after its tensor pre-hooks, retains_grad hooks and other function pre-hooks).
 class CaptureInputs final : public FunctionPreHook {
  public:
-  CaptureInputs(variable_list* dest, bool* fired) : dest_(dest), fired_(fired) {}
+  explicit CaptureInputs(CapturedInputs* dest) : dest_(dest) {}
   variable_list operator()(const variable_list& grads) override {
-    *dest_ = grads;
-    *fired_ = true;
+    dest_->grads = grads;
+    dest_->fired = true;
     return grads;
   }
 
  private:
-  variable_list* dest_;
-  bool* fired_;
+  CapturedInputs* dest_;
 };
 
 // Captures what a kept-in-I node sends along its weight-region edges (appended last to its
@@ -154,6 +169,25 @@ struct SplitPlanCache::Impl {
   std::vector<uint64_t> sig;
   std::vector<const Node*> input_nodes;
   std::vector<Plan> plans;    // most recently used first
+  std::unordered_map<std::type_index, bool> generated;  // is_generated_type, per node type
+
+  bool is_generated(const Node& n) {
+    auto [it, fresh] = generated.emplace(std::type_index(typeid(n)), false);
+    if (fresh) it->second = is_generated_type(typeid(n));
+    return it->second;
+  }
+
+  // The plan of the graph below `roots` (walked; analysed if its shape is new), counted in
+  // hits or misses.
+  const Plan& plan(const edge_list& roots, int64_t& hits, int64_t& misses) {
+    walk(roots);
+    if (const Plan* found = find()) {
+      ++hits;
+      return *found;
+    }
+    ++misses;
+    return analyse(roots);
+  }
 
   // One DFS from the roots: numbers the nodes in discovery order and writes the shape's
   // signature (per node popped: its type, then each next edge as child index and input
@@ -200,29 +234,29 @@ struct SplitPlanCache::Impl {
     return nullptr;
   }
 
-  const Plan& analyse(const edge_list& roots) {
-    const size_t n = order.size();
-    Plan plan;
-    plan.signature = sig;
-    plan.role.assign(n, kWeight);
-    std::vector<std::vector<uint32_t>> parents(n);
-    std::vector<uint8_t> is_input(n, 0);
+  // The stage inputs' nodes, by DFS index.
+  std::vector<uint8_t> input_flags() const {
+    std::vector<uint8_t> is_input(order.size(), 0);
     for (const Node* in : input_nodes) {
       auto it = index.find(in);
       if (it != index.end()) is_input[it->second] = 1;
     }
+    return is_input;
+  }
+
+  // The input closure C: the inputs' nodes and every node above them (walking parents, the
+  // inputs' own edges excluded: the split stops there).
+  std::vector<uint8_t> input_closure(const std::vector<uint8_t>& is_input) const {
+    const size_t n = order.size();
+    std::vector<std::vector<uint32_t>> parents(n);
     for (uint32_t i = 0; i < n; ++i) {
       if (is_input[i]) continue;
       for (const Edge& c : order[i]->next_edges())
         if (c.is_valid()) parents[index.at(c.function.get())].push_back(i);
     }
-    // Input closure: the inputs' nodes and everything above them.
     std::vector<uint32_t> todo;
     for (uint32_t i = 0; i < n; ++i)
-      if (is_input[i]) {
-        plan.role[i] = kInput;
-        todo.push_back(i);
-      }
+      if (is_input[i]) todo.push_back(i);
     std::vector<uint8_t> in_c(n, 0);
     while (!todo.empty()) {
       uint32_t i = todo.back();
@@ -232,6 +266,18 @@ struct SplitPlanCache::Impl {
       for (uint32_t p : parents[i])
         if (!in_c[p]) todo.push_back(p);
     }
+    return in_c;
+  }
+
+  const Plan& analyse(const edge_list& roots) {
+    const size_t n = order.size();
+    Plan plan;
+    plan.signature = sig;
+    plan.role.assign(n, kWeight);
+    const std::vector<uint8_t> is_input = input_flags();
+    const std::vector<uint8_t> in_c = input_closure(is_input);
+    for (uint32_t i = 0; i < n; ++i)
+      if (is_input[i]) plan.role[i] = kInput;
     for (uint32_t i = 0; i < n; ++i) {
       if (!in_c[i] || is_input[i]) continue;
       Node* node = order[i];
@@ -306,6 +352,114 @@ std::vector<at::Tensor> backward_full(const std::vector<at::Tensor>& roots,
   return out;
 }
 
+namespace {
+
+// The stage inputs that want a gradient: their graph edges (the I run's outputs), their
+// positions in `inputs`, and their nodes (where the walk stops).
+struct WantedInputs {
+  edge_list edges;
+  std::vector<size_t> positions;
+};
+WantedInputs wanted_inputs(const std::vector<at::Tensor>& inputs, std::vector<const Node*>& nodes) {
+  WantedInputs w;
+  nodes.clear();
+  for (size_t i = 0; i < inputs.size(); ++i) {
+    if (!inputs[i].defined() || !inputs[i].requires_grad()) continue;
+    w.edges.push_back(torch::autograd::impl::gradient_edge(inputs[i]));
+    nodes.push_back(w.edges.back().function.get());
+    w.positions.push_back(i);
+  }
+  return w;
+}
+
+// What I captured at the boundary, per plan.rerun and plan.keep node.
+struct Captures {
+  std::vector<CapturedInputs> rerun;
+  std::vector<variable_list> sent;
+  explicit Captures(const Plan& plan) : rerun(plan.rerun.size()), sent(plan.keep.size()) {}
+};
+
+// The capture hooks on the boundary nodes for the I run, removed when it ends.
+class BoundaryHooks {
+ public:
+  BoundaryHooks(const Plan& plan, const std::vector<Node*>& order, Captures& into) {
+    for (size_t k = 0; k < plan.rerun.size(); ++k) {
+      auto hook = std::make_unique<CaptureInputs>(&into.rerun[k]);
+      pre_.emplace_back(order[plan.rerun[k]], hook.get());
+      order[plan.rerun[k]]->add_pre_hook(std::move(hook));
+    }
+    for (size_t k = 0; k < plan.keep.size(); ++k) {
+      auto hook = std::make_unique<CaptureSends>(&plan.sends[k], &into.sent[k]);
+      post_.emplace_back(order[plan.keep[k]], hook.get());
+      order[plan.keep[k]]->add_post_hook(std::move(hook));
+    }
+  }
+  ~BoundaryHooks() {
+    for (auto [n, h] : pre_) erase_hook(n->pre_hooks(), h);
+    for (auto [n, h] : post_) erase_hook(n->post_hooks(), h);
+  }
+  BoundaryHooks(const BoundaryHooks&) = delete;
+  BoundaryHooks& operator=(const BoundaryHooks&) = delete;
+
+ private:
+  std::vector<std::pair<Node*, const FunctionPreHook*>> pre_;
+  std::vector<std::pair<Node*, const FunctionPostHook*>> post_;
+};
+
+// I: the engine from the roots in the input closure to the wanted inputs, capturing at the
+// boundary; returns their gradients.
+variable_list run_input_side(const Plan& plan, const std::vector<Node*>& order, const edge_list& edges,
+                             const variable_list& grads, const edge_list& outputs, Captures& captures) {
+  edge_list i_roots;
+  variable_list i_grads;
+  for (uint32_t r : plan.closure_roots) {
+    i_roots.push_back(edges[r]);
+    i_grads.push_back(grads[r]);
+  }
+  BoundaryHooks hooks(plan, order, captures);
+  return run_engine(i_roots, i_grads, /*keep_graph=*/true, /*accumulate_grad=*/false, outputs);
+}
+
+// W's roots: every input of each re-run boundary node, what kept-in-I nodes sent into the
+// weight region, and the outputs computed without touching an input.
+void collect_weight_roots(const Plan& plan, const std::vector<Node*>& order, const edge_list& edges,
+                          const variable_list& grads, Captures& captures, WeightWork& work) {
+  for (size_t k = 0; k < plan.rerun.size(); ++k) {
+    CapturedInputs& c = captures.rerun[k];
+    if (!c.fired) continue;  // it did not run in I (nothing reached it): nor does it in W
+    work.rerun.emplace_back(c10::intrusive_ptr<Node>::reclaim_copy(order[plan.rerun[k]]));
+    for (uint32_t nr = 0; nr < c.grads.size(); ++nr) {
+      work.roots.emplace_back(work.rerun.back(), nr);
+      work.grads.push_back(std::move(c.grads[nr]));
+    }
+  }
+  for (size_t k = 0; k < plan.keep.size(); ++k) {
+    const auto& es = order[plan.keep[k]]->next_edges();
+    auto& sent = captures.sent[k];
+    for (size_t j = 0; j < sent.size(); ++j) {
+      if (!sent[j].defined()) continue;
+      work.roots.push_back(es[plan.sends[k][j]]);
+      work.grads.push_back(std::move(sent[j]));
+    }
+  }
+  for (uint32_t r : plan.weight_roots) {
+    work.roots.push_back(edges[r]);
+    work.grads.push_back(grads[r]);
+  }
+}
+
+// Frees I's part of the graph: releases the saved tensors keep_graph kept there, then cuts
+// the boundary nodes' edges into it (W must not run it again; a cut may destroy nodes, so it
+// comes last).
+void release_input_side(const Plan& plan, const std::vector<Node*>& order, const Captures& captures) {
+  for (uint32_t i : plan.release) order[i]->release_variables();
+  for (size_t k = 0; k < plan.rerun.size(); ++k)
+    if (!captures.rerun[k].fired) order[plan.rerun[k]]->release_variables();
+  for (auto [i, k] : plan.cuts) order[i]->next_edges()[k] = Edge();
+}
+
+}  // namespace
+
 std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& roots,
                                        const std::vector<at::Tensor>& root_grads,
                                        const std::vector<at::Tensor>& inputs, WeightWork& work,
@@ -320,90 +474,16 @@ std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& roots,
   SplitPlanCache local;
   SplitPlanCache& pc = cache ? *cache : local;
   SplitPlanCache::Impl& st = *pc.impl_;
-  edge_list outputs;
-  std::vector<size_t> wanted;  // indices into inputs
-  st.input_nodes.clear();
-  for (size_t i = 0; i < inputs.size(); ++i) {
-    if (!inputs[i].defined() || !inputs[i].requires_grad()) continue;
-    outputs.push_back(torch::autograd::impl::gradient_edge(inputs[i]));
-    st.input_nodes.push_back(outputs.back().function.get());
-    wanted.push_back(i);
-  }
-  st.walk(edges);
-  const Plan* found = st.find();
-  if (found) ++pc.hits_;
-  else ++pc.misses_;
-  const Plan& plan = found ? *found : st.analyse(edges);
-  const auto& order = st.order;
+  const WantedInputs wanted = wanted_inputs(inputs, st.input_nodes);
+  const Plan& plan = st.plan(edges, pc.hits_, pc.misses_);
 
-  // I: the input closure only, capturing at the boundary.
-  std::vector<variable_list> captured(plan.rerun.size());
-  std::unique_ptr<bool[]> fired(new bool[plan.rerun.size() + 1]());
-  std::vector<variable_list> sent(plan.keep.size());
+  Captures captures(plan);
   if (!plan.closure_roots.empty()) {
-    std::vector<std::pair<Node*, const FunctionPreHook*>> pre;
-    std::vector<std::pair<Node*, const FunctionPostHook*>> post;
-    auto remove_hooks = [&] {
-      for (auto [n, h] : pre) erase_hook(n->pre_hooks(), h);
-      for (auto [n, h] : post) erase_hook(n->post_hooks(), h);
-    };
-    for (size_t k = 0; k < plan.rerun.size(); ++k) {
-      auto hook = std::make_unique<CaptureInputs>(&captured[k], &fired[k]);
-      pre.emplace_back(order[plan.rerun[k]], hook.get());
-      order[plan.rerun[k]]->add_pre_hook(std::move(hook));
-    }
-    for (size_t k = 0; k < plan.keep.size(); ++k) {
-      auto hook = std::make_unique<CaptureSends>(&plan.sends[k], &sent[k]);
-      post.emplace_back(order[plan.keep[k]], hook.get());
-      order[plan.keep[k]]->add_post_hook(std::move(hook));
-    }
-    edge_list i_roots;
-    variable_list i_grads;
-    for (uint32_t r : plan.closure_roots) {
-      i_roots.push_back(edges[r]);
-      i_grads.push_back(grads[r]);
-    }
-    variable_list res;
-    try {
-      res = run_engine(i_roots, i_grads, /*keep_graph=*/true, /*accumulate_grad=*/false, outputs);
-    } catch (...) {
-      remove_hooks();
-      throw;
-    }
-    remove_hooks();
-    for (size_t k = 0; k < wanted.size(); ++k) out[wanted[k]] = res[k];
+    variable_list res = run_input_side(plan, st.order, edges, grads, wanted.edges, captures);
+    for (size_t k = 0; k < wanted.positions.size(); ++k) out[wanted.positions[k]] = res[k];
   }
-
-  // W's roots: every input of each re-run boundary node, what kept-in-I nodes sent into the
-  // weight region, and the outputs computed without touching an input.
-  for (size_t k = 0; k < plan.rerun.size(); ++k) {
-    Node* n = order[plan.rerun[k]];
-    if (!fired[k]) continue;  // it did not run in I (nothing reached it): nor does it in W
-    work.rerun.emplace_back(c10::intrusive_ptr<Node>::reclaim_copy(n));
-    for (uint32_t nr = 0; nr < captured[k].size(); ++nr) {
-      work.roots.emplace_back(work.rerun.back(), nr);
-      work.grads.push_back(std::move(captured[k][nr]));
-    }
-  }
-  for (size_t k = 0; k < plan.keep.size(); ++k) {
-    const auto& es = order[plan.keep[k]]->next_edges();
-    for (size_t j = 0; j < sent[k].size(); ++j) {
-      if (!sent[k][j].defined()) continue;
-      work.roots.push_back(es[plan.sends[k][j]]);
-      work.grads.push_back(std::move(sent[k][j]));
-    }
-  }
-  for (uint32_t r : plan.weight_roots) {
-    work.roots.push_back(edges[r]);
-    work.grads.push_back(grads[r]);
-  }
-  // Free I's part of the graph now: release the saved tensors keep_graph kept there, then cut
-  // the boundary nodes' edges into it (W must not run it again; a cut may destroy nodes, so
-  // it comes last).
-  for (uint32_t i : plan.release) order[i]->release_variables();
-  for (size_t k = 0; k < plan.rerun.size(); ++k)
-    if (!fired[k]) order[plan.rerun[k]]->release_variables();
-  for (auto [i, k] : plan.cuts) order[i]->next_edges()[k] = Edge();
+  collect_weight_roots(plan, st.order, edges, grads, captures, work);
+  release_input_side(plan, st.order, captures);
   return out;
 }
 
