@@ -404,8 +404,8 @@ void Executor::run_backward(const Entry& e, const c10::Stream* consumer) {
   std::vector<at::Tensor> in_grads;
   if (e.op == Op::BackwardFull || queues_weight_[e.local]) {
     in_grads = backward_full(roots, root_grads, inputs);
-    if (queues_weight_[e.local]) stage.weight_work_queued(e.mb);
-    if (e.op == Op::BackwardFull && queues_weight_[e.local]) stage.run_weight_work(e.mb);
+    if (queues_weight_[e.local]) stage.weight_work_queued(*step_, e.mb);
+    if (e.op == Op::BackwardFull && queues_weight_[e.local]) stage.run_weight_work(*step_, e.mb);
   } else {
     in_grads = backward_input(roots, root_grads, inputs, sl.weight, &split_plans_[e.local]);
   }
@@ -442,8 +442,11 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
       if (trains_[e.local])
         for (size_t i = 0; i < inputs.size() && i < in_specs.size(); ++i)
           if (in_specs[i].differentiable()) inputs[i].set_requires_grad(true);
-      auto outs = stage.forward(e.mb, inputs);
+      ForwardResult res = stage.forward(*step_, e.mb, inputs);
+      auto& outs = res.tensors;
       if (last) {
+        result_->losses[e.mb] = std::move(res.loss);
+        result_->outputs[e.mb] = std::move(res.output);
         if (trains_[e.local]) sl.roots = std::move(outs);
       } else {
         const auto& out_specs = sigs_[e.local].outputs.specs;
@@ -466,7 +469,7 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
       run_backward(e, nullptr);
       break;
     case Op::BackwardWeight:
-      if (queues_weight_[e.local]) stage.run_weight_work(e.mb);
+      if (queues_weight_[e.local]) stage.run_weight_work(*step_, e.mb);
       else backward_weight(sl.weight);
       break;
     case Op::Comm:
@@ -474,12 +477,23 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
   }
 }
 
-void Executor::run(double loss_scale) {
+StepResult Executor::run(const StepData& data, const Signature& first_inputs, double loss_scale) {
   if (broken_)
     throw PipelineError(detail::str(
         "zbpipe: rank ", rank_, ": this schedule failed in an earlier step; its process group "
         "may hold unmatched messages. Create a new process group and schedule."));
   ++steps_;
+  StepResult result;
+  if (program_.rank_of(program_.num_stages - 1) == rank_) {
+    result.losses.resize(program_.microbatches);
+    result.outputs.resize(program_.microbatches);
+  }
+  struct StepScope {  // the step's data and result are reachable from stage calls only during run
+    Executor& ex;
+    ~StepScope() { ex.step_ = nullptr; ex.result_ = nullptr; }
+  } scope{*this};
+  step_ = &data;
+  result_ = &result;
   struct Disarm {  // the watcher polls only while a step runs
     FailureWatch* w = nullptr;
     ~Disarm() { if (w) w->disarm(); }
@@ -490,7 +504,7 @@ void Executor::run(double loss_scale) {
       watch_->arm();
       disarm.w = watch_.get();
     }
-    agree_before_step();
+    agree_before_step(first_inputs);
   } catch (const std::exception& ex) {
     abandon_in_flight();
     fail(kStepStart, ex.what());
@@ -546,6 +560,7 @@ void Executor::run(double loss_scale) {
   pending_sends_.clear();
   slots_.assign(slots_.size(), Slot{});  // every batch completed: drop the step's tensors
   timer_->collect(trace_);
+  return result;
 }
 
 void Executor::set_custom_actions(std::shared_ptr<CustomActions> handler, const std::vector<Kind>& kinds) {

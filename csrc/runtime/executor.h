@@ -70,13 +70,17 @@ class Executor {
            std::map<int, std::shared_ptr<StageHandle>> stages, ExecutorOptions options);
   ~Executor();
 
-  // Runs one step (every microbatch). The first call compares program fingerprints; each call
-  // agrees on the step's shapes (a handshake for a new input signature). Each microbatch loss
-  // starts its backward with gradient `loss_scale` (1/n: the gradient of the mean loss).
-  // Throws PipelineError naming the rank and failing action, with the program grid marked, and
-  // on a peer's failure naming that rank, its action and message. After a failure the
-  // executor (and the process group's pending traffic) is unusable. Call without the GIL.
-  void run(double loss_scale = 1.0);
+  // Runs one step (every microbatch) on `data`, which every stage call of the step receives
+  // (see StepData). The first call compares program fingerprints; each call agrees on the
+  // step's shapes under `first_inputs`, the signature of the step's microbatch inputs given on
+  // the rank of stage 0 (read there only, unless static_shapes; a new one runs the handshake).
+  // Each microbatch loss starts its backward with gradient `loss_scale` (1/n: the gradient of
+  // the mean loss). Blocks until the step's sends complete. Returns the last stage's losses and
+  // kept outputs (StepResult; empty on other ranks). Throws PipelineError naming the rank and
+  // failing action, with the program grid marked, and on a peer's failure naming that rank,
+  // its action and message. After a failure the executor (and the process group's pending
+  // traffic) is unusable. Call without the GIL.
+  StepResult run(const StepData& data, const Signature& first_inputs, double loss_scale = 1.0);
 
   const std::vector<TraceRecord>& trace() const { return trace_; }
   const Program& program() const { return program_; }
@@ -167,10 +171,11 @@ class Executor {
 
   // Step-start agreement (executor_agreement.cpp).
   void ensure_watch();       // executor id + failure watch, on first use (groups of 2+ ranks)
-  void agree_before_step();  // program fingerprints (first step), then negotiate_shapes
-  // The first stage's rank sends the index of the step's input signature to every rank; a
-  // new signature runs the handshake (every rank learns it is new from the index).
-  void negotiate_shapes();
+  // Program fingerprints (first step), then negotiate_shapes.
+  void agree_before_step(const Signature& first_inputs);
+  // The first stage's rank sends the index of the step's input signature (`first_inputs`) to
+  // every rank; a new signature runs the handshake (every rank learns it is new from the index).
+  void negotiate_shapes(const Signature& first_inputs);
   void adopt_shapes(int set);  // make shape set `set` the current one
 
   // One negotiated signature set: the key (the first stage's step inputs) and what follows.
@@ -193,6 +198,8 @@ class Executor {
   std::vector<uint8_t> queues_weight_;               // local index -> stage queues its own W work
   std::vector<SplitPlanCache> split_plans_;          // local index -> I/W analysis per graph shape
   double loss_scale_ = 1.0;
+  const StepData* step_ = nullptr;  // the running step's data (set by run, null between steps)
+  StepResult* result_ = nullptr;    // what run returns, filled by the last stage's forwards
   std::vector<Entry> entries_;
   std::vector<Comm> comms_;
   std::vector<Slot> slots_;

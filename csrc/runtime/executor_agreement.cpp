@@ -45,16 +45,16 @@ void Executor::report_setup_failure(P2P& p2p, const std::string& what) {
   }
 }
 
-void Executor::agree_before_step() {
+void Executor::agree_before_step(const Signature& first_inputs) {
   if (!agreed_ && watch_) {
     agree_on_program(*p2p_->store(), detail::str("zbpipe/x", id_, "/"), rank_, program_.pp,
                      program_fingerprint(program_, options_.static_shapes), options_.timeout, *watch_);
   }
   agreed_ = true;
-  negotiate_shapes();
+  negotiate_shapes(first_inputs);
 }
 
-void Executor::negotiate_shapes() {
+void Executor::negotiate_shapes(const Signature& first_inputs) {
   if (options_.static_shapes && ready_) return;
   const int r0 = program_.rank_of(0);
   int64_t index = 0;  // static_shapes: the first (only) set
@@ -62,7 +62,7 @@ void Executor::negotiate_shapes() {
   if (!options_.static_shapes) {
     auto opts = at::TensorOptions().dtype(at::kLong).device(p2p_->device());
     if (rank_ == r0) {
-      key = stages_[0]->step_inputs();  // stage 0 is the lowest local stage of its rank
+      key = first_inputs;
       index = static_cast<int64_t>(shape_sets_.size());
       for (size_t i = 0; i < shape_sets_.size(); ++i)
         if (same(shape_sets_[i].key, key)) index = static_cast<int64_t>(i);
@@ -91,7 +91,7 @@ void Executor::negotiate_shapes() {
   // A signature no step had: every rank runs the handshake for it.
   std::map<int, StageHandle*> handles;
   for (size_t i = 0; i < stage_ids_.size(); ++i) handles[stage_ids_[i]] = stages_[i].get();
-  auto sigs = exchange_signatures(program_, *p2p_, handles, options_.timeout);
+  auto sigs = exchange_signatures(program_, *p2p_, handles, *step_, options_.timeout);
   ++handshakes_;
   ShapeSet set;
   set.key = std::move(key);
