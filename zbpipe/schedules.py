@@ -70,6 +70,22 @@ def _custom_kind(kind) -> _C.Kind:
     return getattr(_C.Kind, name)
 
 
+def _rank_stages(stages) -> list[PipelineStage]:
+    """This rank's stages in stage order; ValueError for none or for stages on different
+    process groups."""
+    ranked = [stages] if isinstance(stages, PipelineStage) else sorted(stages, key=lambda s: s.stage_index)
+    if not ranked:
+        raise ValueError("a schedule needs at least one stage")
+    first = ranked[0]
+    for s in ranked:
+        if s.group is not first.group:
+            raise ValueError(
+                f"all stages of a schedule must share one process group: stage {first.stage_index} "
+                f"has {first.group!r} (size {first.group_size}), stage {s.stage_index} {s.group!r} "
+                f"(size {s.group_size})")
+    return ranked
+
+
 def _trains(program: _C.Program) -> bool:
     return any(a.kind != _C.Kind.F for r in range(program.pp) for a in program.action_values(r)
                if a.is_compute)
@@ -155,19 +171,10 @@ class PipelineSchedule:
         if not self.schedule and _program is None:
             raise TypeError(f"{type(self).__name__} is a base class: use a schedule class "
                             "(zbpipe.get_schedule_class) or from_program")
-        self._stages = [stages] if isinstance(stages, PipelineStage) else sorted(stages, key=lambda s: s.stage_index)
-        if not self._stages:
-            raise ValueError("a schedule needs at least one stage")
         if n_microbatches < 1:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
-        group = self._stages[0].group
-        for s in self._stages:
-            if s.group is not group:
-                raise ValueError(
-                    f"all stages of a schedule must share one process group: stage "
-                    f"{self._stages[0].stage_index} has {group!r} (size "
-                    f"{self._stages[0].group_size}), stage {s.stage_index} {s.group!r} (size "
-                    f"{s.group_size})")
+        self._stages = _rank_stages(stages)
+        self._group = self._stages[0].group
         self._n = n_microbatches
         self._loss_fn = loss_fn
         self._has_backward = loss_fn is not None and not self.forward_only
@@ -175,35 +182,38 @@ class PipelineSchedule:
         self._executor_options = dict(
             timeout_s=float(timeout), device_timing=device_timing, prepost_receives=prepost_receives,
             static_shapes=static_shapes, stream_ordered=stream_ordered, overlap_f_b=overlap_f_b)
-        self._group = group
-        pp = self._stages[0].group_size
-        num_stages = self._stages[0].num_stages
         if _program is not None:
-            # Any layout that validates (uneven ones included); the executor checks that this
-            # rank holds exactly the program's stages.
-            if _program.pp != pp or _program.num_stages != num_stages:
-                raise ValueError(
-                    f"program '{_program.schedule}' has pp={_program.pp}, num_stages="
-                    f"{_program.num_stages}; the stages say pp={pp}, num_stages={num_stages}")
             self.schedule = _program.schedule
-            self._program = _program
-        else:
-            if num_stages % pp != 0:
-                raise ValueError(f"num_stages={num_stages} is not a multiple of the group size {pp} "
-                                 "(uneven layouts run through PipelineSchedule.from_program)")
-            options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                                   for k, v in (compile_options or {}).items()))
-            self._program = _cached_program(self.schedule, pp, n_microbatches, num_stages // pp,
-                                            not self._has_backward, options)
+        self._program = _program if _program is not None else self._compiled(compile_options)
+        self._check_program()
         self._eval_program: _C.Program | None = None
         self._executors: dict[bool, _C.Executor] = {}  # training? -> executor of that program
         self._custom: dict[_C.Kind, Callable] = {}
         self._ctx: PipelineContext | None = None
         self._last: _C.Executor | None = None  # the executor of the last step (trace)
+
+    def _compiled(self, compile_options: dict | None) -> _C.Program:
+        """The program of this class's schedule for the stages' layout (even layouts only)."""
+        pp, num_stages = self._stages[0].group_size, self._stages[0].num_stages
+        if num_stages % pp != 0:
+            raise ValueError(f"num_stages={num_stages} is not a multiple of the group size {pp} "
+                             "(uneven layouts run through PipelineSchedule.from_program)")
+        options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                               for k, v in (compile_options or {}).items()))
+        return _cached_program(self.schedule, pp, self._n, num_stages // pp, not self._has_backward, options)
+
+    def _check_program(self) -> None:
+        """The program fits the stages (any layout that validates, uneven ones included: the
+        executor checks that this rank holds exactly the program's stages), and each
+        data-parallel stage can run it."""
+        prog, pp, num_stages = self._program, self._stages[0].group_size, self._stages[0].num_stages
+        if prog.pp != pp or prog.num_stages != num_stages:
+            raise ValueError(f"program '{prog.schedule}' has pp={prog.pp}, num_stages={prog.num_stages}; "
+                             f"the stages say pp={pp}, num_stages={num_stages}")
         for s in self._stages:
             if s._dp is not None:
                 split = any(a.kind == _C.Kind.I and a.stage == s.stage_index
-                            for a in self._program.action_values(s.group_rank))
+                            for a in prog.action_values(s.group_rank))
                 s._dp.check(s.stage_index, split)
 
     @property

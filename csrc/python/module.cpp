@@ -27,7 +27,7 @@ using namespace zbpipe::python;
 
 namespace {
 
-void register_core(py::module_& m) {
+void register_actions(py::module_& m) {
   py::register_exception<ScheduleError>(m, "ScheduleError", PyExc_ValueError);
 
   py::enum_<Kind>(m, "Kind")
@@ -51,7 +51,9 @@ void register_core(py::module_& m) {
       .def("__repr__", py::overload_cast<const Action&>(&zbpipe::to_string))
       .def(py::self == py::self)
       .def("__hash__", &action_hash);
+}
 
+void register_program(py::module_& m) {
   // Names: actions are canonical strings unless the name says values (action_values); CSV is
   // a file path unless the name says text (to_csv_text / from_csv_text).
   py::class_<Program>(m, "Program", "A compiled pipeline program: topology + per-rank actions.")
@@ -79,7 +81,9 @@ void register_core(py::module_& m) {
                   "validated; rendezvous=True also with NCCL's rendezvous sends.")
       .def("compute_only", &strip_comms, "The program without its SEND/RECV actions.")
       .def("__repr__", &program_repr);
+}
 
+void register_compile(py::module_& m) {
   m.def("schedule_names", &schedule_names, "Every schedule the core can build.");
   m.def("schedule_summaries", &schedule_summaries, "(name, one-line summary) of every schedule.");
   m.def("compile", &compile_program, py::arg("name"), py::arg("pp"), py::arg("microbatches"),
@@ -104,7 +108,9 @@ void register_core(py::module_& m) {
   m.def("lower", &lower, py::arg("compute_only"), "insert_send_recv, then validate.");
   m.def("strip_backward", &strip_backward, py::arg("compute_only"),
         "The forwards of a compute-only program, same order and topology.");
+}
 
+void register_simulator(py::module_& m) {
   py::class_<TimelineEvent>(m, "TimelineEvent")
       .def_readonly("rank", &TimelineEvent::rank)
       .def_readonly("action", &TimelineEvent::action)
@@ -200,7 +206,10 @@ void register_backward(py::module_& m) {
 
 PYBIND11_MODULE(_C, m) {
   m.doc() = "zbpipe compiled core (schedule IR, builders, passes, simulator) and runtime";
-  register_core(m);
+  register_actions(m);
+  register_program(m);
+  register_compile(m);
+  register_simulator(m);
   register_runtime(m);
   register_backward(m);
 }
