@@ -44,7 +44,7 @@ def cells():
 
 
 def digests() -> dict[str, str]:
-    return {key: hashlib.sha256(zbpipe.compile(name, **kw).csv().encode()).hexdigest()
+    return {key: hashlib.sha256(zbpipe.compile(name, **kw).to_csv_text().encode()).hexdigest()
             for key, name, kw in cells()}
 
 

@@ -66,7 +66,7 @@ def test_compute_entries_follow_the_program_and_the_placement(name, pp, m, spr, 
         entries, _ = _table(prog, rank, overlap)
         compute = [e for e in entries if e["stage"] >= 0]
         expected = []
-        for index, action in enumerate(prog.rank_actions(rank)):
+        for index, action in enumerate(prog.action_values(rank)):
             if not action.is_compute:
                 continue
             parts, split = _split(action, overlap)

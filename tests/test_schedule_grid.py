@@ -100,7 +100,7 @@ def test_legal_sizes_build_valid_programs(name, pp):
             # Lowering only adds communication: the builder's compute order is kept.
             raw = zbpipe._C.build(name, pp, m, spr or 0)
             assert [prog.compute_actions(r) for r in range(pp)] == [
-                [str(a) for a in raw.rank_actions(r)] for r in range(pp)], where
+                [str(a) for a in raw.action_values(r)] for r in range(pp)], where
 
 
 def test_forward_only_compiles():

@@ -31,7 +31,7 @@ def test_shape_and_memory_bound(name, pp):
         prog = zbpipe.compile(name, pp, m)
         assert prog.num_stages == 2 * pp
         assert prog.stage_to_rank == list(range(pp)) + list(reversed(range(pp)))
-        kinds = {a.kind for r in range(pp) for a in prog.rank_actions(r) if a.is_compute}
+        kinds = {a.kind for r in range(pp) for a in prog.action_values(r) if a.is_compute}
         assert kinds <= {zbpipe.Kind.F, zbpipe.Kind.I, zbpipe.Kind.W}
         res = zbpipe.simulate(prog, 1.0, 1.0, 1.0)
         assert max(res.peak_activations) <= BOUND_UNITS[name](pp), (m, res.peak_activations)

@@ -47,7 +47,7 @@ def test_cap_holds_at_every_cap(pp, m):
         prog = zbpipe.compile("zb_auto", pp, m, memory_cap=cap)
         res = zbpipe.simulate(prog, 1.0, 1.0, 1.0)
         assert max(res.peak_activations) <= cap
-        kinds = {a.kind for r in range(pp) for a in prog.rank_actions(r) if a.is_compute}
+        kinds = {a.kind for r in range(pp) for a in prog.action_values(r) if a.is_compute}
         assert kinds == {zbpipe.Kind.F, zbpipe.Kind.I, zbpipe.Kind.W}  # I/W split
         zbpipe._C.validate(prog)
 

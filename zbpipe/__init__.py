@@ -7,7 +7,7 @@ runs them over a torch.distributed process group; this package keeps thin Python
 import torch  # noqa: F401  (must load before _C: _C links against torch's libraries)
 
 from ._C import Action, Kind, PipelineError, Program, ScheduleError, SimResult  # noqa: E402
-from .schedule_api import compile, schedule_names, schedule_options, simulate  # noqa: E402
+from .programs import compile, schedule_names, schedule_options, simulate  # noqa: E402
 from .schedules import (  # noqa: E402
     PipelineContext,
     PipelineSchedule,

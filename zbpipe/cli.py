@@ -10,8 +10,8 @@ import os
 import sys
 
 from . import _C
-from .schedule_api import compile as compile_schedule
-from .schedule_api import schedule_names, simulate
+from .programs import compile as compile_schedule
+from .programs import schedule_names, simulate
 from .timeline_text import slot_grid
 
 # Schedules whose memory cap is a parameter (the others fix their own).

@@ -3,19 +3,24 @@ thin mapping to a zbpipe.compile() name; the C++ executor runs the compiled prog
 
     sched = zbpipe.Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
     out = sched.step(x, target=y, losses=losses)   # x on the first stage, y on the last
+
+A step's data travels through the call: step() splits the batch into a StepData (zbpipe/stage.py)
+and hands it to the executor's run, which passes it to every stage call and returns the last
+stage's outputs and losses.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import weakref
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 
-from . import _C
-from .schedule_api import compile as _compile
-from .stage import PipelineStage
+from . import _C, microbatch
+from .programs import compile as _compile
+from .stage import PipelineStage, StepData, input_signature
 
 
 @functools.lru_cache(maxsize=256)
@@ -29,47 +34,17 @@ def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int,
     return _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
 
 
-def _split(value: Any, n: int, what: str) -> list:
-    """Chunks along dim 0 into n equal microbatches (tensors); other values are replicated."""
-    if isinstance(value, torch.Tensor):
-        if value.dim() == 0 or value.size(0) % n != 0:
-            size = value.size(0) if value.dim() else "a 0-d tensor"
-            raise ValueError(
-                f"zbpipe: {what} has batch size {size}, which is not divisible by "
-                f"n_microbatches={n}"
-            )
-        return list(value.split(value.size(0) // n))
-    if isinstance(value, (tuple, list)):
-        cols = [_split(v, n, f"{what}[{i}]") for i, v in enumerate(value)]
-        return [type(value)(c[i] for c in cols) for i in range(n)]
-    if isinstance(value, dict):
-        cols = {k: _split(v, n, f"{what}[{k!r}]") for k, v in value.items()}
-        return [{k: c[i] for k, c in cols.items()} for i in range(n)]
-    return [value] * n
-
-
-def _merge(chunks: list) -> Any:
-    first = chunks[0]
-    if isinstance(first, torch.Tensor):
-        return torch.cat(chunks) if first.dim() > 0 else torch.stack(chunks)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_merge([c[i] for c in chunks]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _merge([c[k] for c in chunks]) for k in first}
-    return chunks
-
-
 class PipelineContext:
     """What a custom function gets besides the action (torch's _PipelineContext fields), plus
     run(part): the built-in computation of the action, or of one of its sub-actions."""
 
-    def __init__(self, schedule, executor, arg_mbs, kwarg_mbs, target_mbs, losses, loss_kwargs):
+    def __init__(self, schedule, executor, step: StepData, losses):
         self.schedule_ref = schedule
-        self.arg_mbs = arg_mbs          # first stage's rank: per-microbatch positional args
-        self.kwarg_mbs = kwarg_mbs      # per-microbatch keyword args (None without any)
-        self.target_mbs = target_mbs    # last stage's rank: per-microbatch targets
-        self.losses = losses            # the list given to step (filled after the step)
-        self.loss_kwargs = loss_kwargs
+        self.arg_mbs = step.args          # first stage's rank: per-microbatch positional args
+        self.kwarg_mbs = step.kwargs      # per-microbatch keyword args (None without any)
+        self.target_mbs = step.targets    # last stage's rank: per-microbatch targets
+        self.losses = losses              # the list given to step (filled after the step)
+        self.loss_kwargs = step.loss_kwargs
         self._executor = executor
 
     def run(self, part: _C.Action) -> None:
@@ -95,8 +70,24 @@ def _custom_kind(kind) -> _C.Kind:
     return getattr(_C.Kind, name)
 
 
+def _rank_stages(stages) -> list[PipelineStage]:
+    """This rank's stages in stage order; ValueError for none or for stages on different
+    process groups."""
+    ranked = [stages] if isinstance(stages, PipelineStage) else sorted(stages, key=lambda s: s.stage_index)
+    if not ranked:
+        raise ValueError("a schedule needs at least one stage")
+    first = ranked[0]
+    for s in ranked:
+        if s.group is not first.group:
+            raise ValueError(
+                f"all stages of a schedule must share one process group: stage {first.stage_index} "
+                f"has {first.group!r} (size {first.group_size}), stage {s.stage_index} {s.group!r} "
+                f"(size {s.group_size})")
+    return ranked
+
+
 def _trains(program: _C.Program) -> bool:
-    return any(a.kind != _C.Kind.F for r in range(program.pp) for a in program.rank_actions(r)
+    return any(a.kind != _C.Kind.F for r in range(program.pp) for a in program.action_values(r)
                if a.is_compute)
 
 
@@ -145,6 +136,15 @@ class PipelineSchedule:
     schedule: str = ""
     forward_only: bool = False  # the schedule has no backward (inference)
 
+    def __init_subclass__(cls, schedule: str | None = None, forward_only: bool | None = None, **kwargs):
+        """A schedule class names its compile() name in its bases:
+        ``class ScheduleGPipe(PipelineScheduleSingle, schedule="gpipe")``."""
+        super().__init_subclass__(**kwargs)
+        if schedule is not None:
+            cls.schedule = schedule
+        if forward_only is not None:
+            cls.forward_only = forward_only
+
     def __init__(
         self,
         stages: PipelineStage | list[PipelineStage],
@@ -171,57 +171,49 @@ class PipelineSchedule:
         if not self.schedule and _program is None:
             raise TypeError(f"{type(self).__name__} is a base class: use a schedule class "
                             "(zbpipe.get_schedule_class) or from_program")
-        self._stages = [stages] if isinstance(stages, PipelineStage) else sorted(stages, key=lambda s: s.stage_index)
-        if not self._stages:
-            raise ValueError("a schedule needs at least one stage")
         if n_microbatches < 1:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
-        group = self._stages[0].group
-        for s in self._stages:
-            if s.group is not group:
-                raise ValueError(
-                    f"all stages of a schedule must share one process group: stage "
-                    f"{self._stages[0].stage_index} has {group!r} (size "
-                    f"{self._stages[0].group_size}), stage {s.stage_index} {s.group!r} (size "
-                    f"{s.group_size})")
+        self._stages = _rank_stages(stages)
+        self._group = self._stages[0].group
         self._n = n_microbatches
         self._loss_fn = loss_fn
         self._has_backward = loss_fn is not None and not self.forward_only
         self._scale_grads = scale_grads
-        self._timeout = float(timeout)
-        self._device_timing = device_timing
-        self._prepost_receives = prepost_receives
-        self._static_shapes = static_shapes
-        self._stream_ordered = stream_ordered
-        self._overlap_f_b = overlap_f_b
-        self._group = group
-        pp = self._stages[0].group_size
-        num_stages = self._stages[0].num_stages
+        self._executor_options = dict(
+            timeout_s=float(timeout), device_timing=device_timing, prepost_receives=prepost_receives,
+            static_shapes=static_shapes, stream_ordered=stream_ordered, overlap_f_b=overlap_f_b)
         if _program is not None:
-            # Any layout that validates (uneven ones included); the executor checks that this
-            # rank holds exactly the program's stages.
-            if _program.pp != pp or _program.num_stages != num_stages:
-                raise ValueError(
-                    f"program '{_program.schedule}' has pp={_program.pp}, num_stages="
-                    f"{_program.num_stages}; the stages say pp={pp}, num_stages={num_stages}")
-            self._program = _program
-        else:
-            if num_stages % pp != 0:
-                raise ValueError(f"num_stages={num_stages} is not a multiple of the group size {pp} "
-                                 "(uneven layouts run through PipelineSchedule.from_program)")
-            options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
-                                   for k, v in (compile_options or {}).items()))
-            self._program = _cached_program(self.schedule, pp, n_microbatches, num_stages // pp,
-                                            not self._has_backward, options)
+            self.schedule = _program.schedule
+        self._program = _program if _program is not None else self._compiled(compile_options)
+        self._check_program()
         self._eval_program: _C.Program | None = None
         self._executors: dict[bool, _C.Executor] = {}  # training? -> executor of that program
         self._custom: dict[_C.Kind, Callable] = {}
         self._ctx: PipelineContext | None = None
         self._last: _C.Executor | None = None  # the executor of the last step (trace)
+
+    def _compiled(self, compile_options: dict | None) -> _C.Program:
+        """The program of this class's schedule for the stages' layout (even layouts only)."""
+        pp, num_stages = self._stages[0].group_size, self._stages[0].num_stages
+        if num_stages % pp != 0:
+            raise ValueError(f"num_stages={num_stages} is not a multiple of the group size {pp} "
+                             "(uneven layouts run through PipelineSchedule.from_program)")
+        options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
+                               for k, v in (compile_options or {}).items()))
+        return _cached_program(self.schedule, pp, self._n, num_stages // pp, not self._has_backward, options)
+
+    def _check_program(self) -> None:
+        """The program fits the stages (any layout that validates, uneven ones included: the
+        executor checks that this rank holds exactly the program's stages), and each
+        data-parallel stage can run it."""
+        prog, pp, num_stages = self._program, self._stages[0].group_size, self._stages[0].num_stages
+        if prog.pp != pp or prog.num_stages != num_stages:
+            raise ValueError(f"program '{prog.schedule}' has pp={prog.pp}, num_stages={prog.num_stages}; "
+                             f"the stages say pp={pp}, num_stages={num_stages}")
         for s in self._stages:
             if s._dp is not None:
                 split = any(a.kind == _C.Kind.I and a.stage == s.stage_index
-                            for a in self._program.rank_actions(s.group_rank))
+                            for a in prog.action_values(s.group_rank))
                 s._dp.check(s.stage_index, split)
 
     @property
@@ -233,10 +225,7 @@ class PipelineSchedule:
         """A schedule running a given lowered program (e.g. zbpipe.Program.from_csv of a
         PyTorch CSV, or Program.from_actions with any stage-to-rank layout, uneven ones
         included); its microbatch count is the program's."""
-        self = cls.__new__(cls)
-        self.schedule = program.schedule
-        PipelineSchedule.__init__(self, stages, program.microbatches, loss_fn, _program=program, **kwargs)
-        return self
+        return cls(stages, program.microbatches, loss_fn, _program=program, **kwargs)
 
     def _program_for(self, train: bool) -> _C.Program:
         if train or not _trains(self._program):
@@ -250,17 +239,8 @@ class PipelineSchedule:
         ex = self._executors.get(train)
         if ex is None:
             ex = self._executors[train] = _C.Executor(
-                self._program_for(train),
-                self._group,
-                {s.stage_index: s for s in self._stages},
-                self._stages[0].device,
-                self._timeout,
-                self._device_timing,
-                self._prepost_receives,
-                self._static_shapes,
-                self._stream_ordered,
-                self._overlap_f_b,
-            )
+                self._program_for(train), self._group, {s.stage_index: s for s in self._stages},
+                self._stages[0].device, **self._executor_options)
             self._install_custom(ex)
         return ex
 
@@ -318,48 +298,55 @@ class PipelineSchedule:
     def _run(self, args, kwargs, target, losses, return_outputs, loss_kwargs, train: bool):
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list, got {type(losses).__name__}")
-        n = self._n
         try:
             executor = self._get_executor(train)
         except Exception as e:
             _C.Executor.report_setup_failure(self._group, self._stages[0].device, f"{type(e).__name__}: {e}")
             raise
-        failed = True
-        try:
+        with contextlib.ExitStack() as stage_scopes:
             try:  # this rank's own checks: a failure here is told to every peer
-                mb_args = _split(tuple(args), n, "argument") if any(s.is_first for s in self._stages) else None
-                mb_kwargs = _split(dict(kwargs), n, "keyword argument") if kwargs else None
-                mb_targets = None
-                has_last = any(s.is_last for s in self._stages)
-                if has_last and self._loss_fn is not None and (target is not None or train):
-                    if target is None:
-                        raise ValueError("zbpipe: the last stage needs target= when a loss_fn is set")
-                    mb_targets = _split(target, n, "target")
+                step = self._step_data(args, kwargs, target, return_outputs, loss_kwargs, train)
+                first_inputs = None
+                if step.args is not None and not self._executor_options["static_shapes"]:
+                    first_inputs = input_signature(step)
                 for s in self._stages:
-                    s._begin(mb_args if s.is_first else None, mb_kwargs, mb_targets if s.is_last else None,
-                             self._loss_fn if mb_targets is not None else None, train,
-                             keep_outputs=return_outputs, loss_kwargs=loss_kwargs)
-                    s._step_begin(train)
+                    stage_scopes.enter_context(s._step_scope(train))
             except Exception as e:
                 executor.report_failure(f"{type(e).__name__}: {e}")
                 raise
             if self._custom:
-                self._ctx = PipelineContext(self, executor, mb_args, mb_kwargs, mb_targets, losses, loss_kwargs)
+                self._ctx = PipelineContext(self, executor, step, losses)
             self._last = executor
-            executor.run(1.0 / n if self._scale_grads else 1.0)
-            failed = False
-            last = next((s for s in self._stages if s.is_last), None)
-            if last is None:
-                return None
-            if losses is not None:
-                losses.clear()
-                if mb_targets is not None:
-                    losses.extend(last.losses[i] for i in range(n))
-            return _merge([last.outputs[i] for i in range(n)]) if return_outputs else None
-        finally:
-            self._ctx = None
-            for s in self._stages:
-                s._end(failed)
+            loss_scale = 1.0 / self._n if self._scale_grads else 1.0
+            try:
+                outputs, mb_losses = executor.run(step, first_inputs, loss_scale)
+            finally:
+                self._ctx = None
+        if not any(s.is_last for s in self._stages):
+            return None
+        if losses is not None:
+            losses.clear()
+            if step.targets is not None:
+                losses.extend(mb_losses)
+        return microbatch.merge(outputs) if return_outputs else None
+
+    def _step_data(self, args, kwargs, target, return_outputs, loss_kwargs, train: bool) -> StepData:
+        """The step's StepData: positional arguments split where the first stage lives, targets
+        (and the loss) where the last does, keyword arguments everywhere. Raises ValueError for
+        a batch that does not split or a missing target."""
+        n = self._n
+        step = StepData(train=train, keep_outputs=return_outputs, loss_kwargs=loss_kwargs or {})
+        if any(s.is_first for s in self._stages):
+            step.args = microbatch.split(tuple(args), n, "argument")
+        if kwargs:
+            step.kwargs = microbatch.split(dict(kwargs), n, "keyword argument")
+        has_last = any(s.is_last for s in self._stages)
+        if has_last and self._loss_fn is not None and (target is not None or train):
+            if target is None:
+                raise ValueError("zbpipe: the last stage needs target= when a loss_fn is set")
+            step.targets = microbatch.split(target, n, "target")
+            step.loss_fn = self._loss_fn
+        return step
 
     def trace(self) -> list[dict]:
         """Per-action timing of the last step (host ns; device us when timed)."""
@@ -379,28 +366,57 @@ class PipelineScheduleMulti(PipelineSchedule):
     """Base of the schedules that take a list of stages per rank (torch's name)."""
 
 
-def _schedule_class(class_name: str, schedule: str, doc: str = "", forward_only: bool = False,
-                    base: type = PipelineSchedule) -> type:
-    """A schedule class for a compile() name: one line per schedule."""
-    attrs = {"schedule": schedule, "forward_only": forward_only,
-             "__doc__": doc or f"zbpipe '{schedule}' schedule.", "__module__": __name__}
-    return type(class_name, (base,), attrs)
+class ScheduleGPipe(PipelineScheduleSingle, schedule="gpipe"):
+    """All forwards, then all backwards."""
 
 
-_ONE, _MULTI = PipelineScheduleSingle, PipelineScheduleMulti
-ScheduleGPipe = _schedule_class("ScheduleGPipe", "gpipe", "All forwards, then all backwards.", base=_ONE)
-Schedule1F1B = _schedule_class("Schedule1F1B", "1f1b", "One forward, one backward (PipeDream-flush).", base=_ONE)
-ScheduleLoopedBFS = _schedule_class("ScheduleLoopedBFS", "looped_bfs", "Looped breadth-first, several stages per rank.", base=_MULTI)
-ScheduleInterleaved1F1B = _schedule_class("ScheduleInterleaved1F1B", "interleaved_1f1b", "Interleaved 1F1B (Megatron virtual stages; one stage per rank runs as torch's does).", base=_MULTI)
-ScheduleInterleavedZeroBubble = _schedule_class("ScheduleInterleavedZeroBubble", "interleaved_zb", "Interleaved zero bubble (ZB1P; one stage per rank runs as torch's does).", base=_MULTI)
-ScheduleZBVZeroBubble = _schedule_class("ScheduleZBVZeroBubble", "zbv", "Zero bubble V schedule (two stages per rank).", base=_MULTI)
-ScheduleDualPipeV = _schedule_class("ScheduleDualPipeV", "dualpipev", "DualPipeV on a V: the forward and backward of each OVERLAP_F_B pair run concurrently (overlap_f_b=False: in sequence).", base=_MULTI)
-ScheduleZBH1 = _schedule_class("ScheduleZBH1", "zb_h1", "Zero bubble H1 (1F1B memory).", base=_ONE)
-ScheduleZBH2 = _schedule_class("ScheduleZBH2", "zb_h2", "Zero bubble H2 (zero bubble, more memory).", base=_ONE)
-ScheduleZBAuto = _schedule_class("ScheduleZBAuto", "zb_auto", "Cost-driven zero bubble under an activation cap (pass compile_options with measured costs).", base=_ONE)
-ScheduleVHalf = _schedule_class("ScheduleVHalf", "v_half", "Controllable-memory V schedule, about 1/2 of 1F1B's activations.", base=_MULTI)
-ScheduleVMin = _schedule_class("ScheduleVMin", "v_min", "Controllable-memory V schedule, about 1/3 of 1F1B's activations.", base=_MULTI)
-ScheduleInference = _schedule_class("ScheduleInference", "inference", "Forward only (a loss_fn is still applied to report losses).", forward_only=True, base=_ONE)
+class Schedule1F1B(PipelineScheduleSingle, schedule="1f1b"):
+    """One forward, one backward (PipeDream-flush)."""
+
+
+class ScheduleLoopedBFS(PipelineScheduleMulti, schedule="looped_bfs"):
+    """Looped breadth-first, several stages per rank."""
+
+
+class ScheduleInterleaved1F1B(PipelineScheduleMulti, schedule="interleaved_1f1b"):
+    """Interleaved 1F1B (Megatron virtual stages; one stage per rank runs as torch's does)."""
+
+
+class ScheduleInterleavedZeroBubble(PipelineScheduleMulti, schedule="interleaved_zb"):
+    """Interleaved zero bubble (ZB1P; one stage per rank runs as torch's does)."""
+
+
+class ScheduleZBVZeroBubble(PipelineScheduleMulti, schedule="zbv"):
+    """Zero bubble V schedule (two stages per rank)."""
+
+
+class ScheduleDualPipeV(PipelineScheduleMulti, schedule="dualpipev"):
+    """DualPipeV on a V: each OVERLAP_F_B pair's halves run at once (overlap_f_b=False: in turn)."""
+
+
+class ScheduleZBH1(PipelineScheduleSingle, schedule="zb_h1"):
+    """Zero bubble H1 (1F1B memory)."""
+
+
+class ScheduleZBH2(PipelineScheduleSingle, schedule="zb_h2"):
+    """Zero bubble H2 (zero bubble, more memory)."""
+
+
+class ScheduleZBAuto(PipelineScheduleSingle, schedule="zb_auto"):
+    """Cost-driven zero bubble under an activation cap (compile_options: measured costs)."""
+
+
+class ScheduleVHalf(PipelineScheduleMulti, schedule="v_half"):
+    """Controllable-memory V schedule, about 1/2 of 1F1B's activations."""
+
+
+class ScheduleVMin(PipelineScheduleMulti, schedule="v_min"):
+    """Controllable-memory V schedule, about 1/3 of 1F1B's activations."""
+
+
+class ScheduleInference(PipelineScheduleSingle, schedule="inference", forward_only=True):
+    """Forward only (a loss_fn is still applied to report losses)."""
+
 
 _CLASSES = [
     ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
@@ -414,10 +430,21 @@ def _norm(name: str) -> str:
     return n[len("schedule"):] if n.startswith("schedule") else n
 
 
+def _class_for(schedule: str) -> type:
+    """The class of a compile() name that has none of its own: a subclass of PipelineSchedule."""
+
+    class Generated(PipelineSchedule, schedule=schedule):
+        pass
+
+    Generated.__name__ = Generated.__qualname__ = "Schedule_" + schedule
+    Generated.__doc__ = f"zbpipe '{schedule}' schedule."
+    return Generated
+
+
 def get_schedule_class(name: str) -> type:
     """PyTorch's schedule names (case-insensitive: "1F1B", "Interleaved1F1B", "ZBVZeroBubble",
     "ScheduleGPipe", ...) or zbpipe.compile() names ("zbv", "zb_h1", ...). A compile() name
-    without a named class gets a generated one."""
+    without a named class gets a generated subclass of PipelineSchedule."""
     key = _norm(name)
     for base in (PipelineScheduleSingle, PipelineScheduleMulti):  # torch's base-class names
         if key == _norm(base.__name__):
@@ -427,7 +454,7 @@ def get_schedule_class(name: str) -> type:
             return cls
     for sched in _C.schedule_names():
         if key == _norm(sched):
-            cls = _schedule_class("Schedule_" + sched, sched)
+            cls = _class_for(sched)
             _CLASSES.append(cls)
             return cls
     valid = sorted({c.__name__ for c in _CLASSES} | set(_C.schedule_names())

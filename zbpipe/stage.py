@@ -1,15 +1,18 @@
 """PipelineStage: wraps the nn.Module of one pipeline stage for the C++ executor.
 
-The executor calls the ``_zb_*`` methods (through a trampoline in csrc/python/module.cpp) in
-program order; a schedule's ``step`` fills the per-step state first (microbatch arguments,
-targets, loss function) and reads the losses and outputs afterwards. Only forwards run here:
-the executor keeps what a forward returns and runs the backward (B, or I then W) itself on the
-autograd engine (csrc/runtime/stage_backward.h).
+The executor calls the ``_zb_*`` methods (through the trampoline in csrc/python/py_stage.h) in
+program order, each with the StepData of the running step: the schedule builds one per step
+and hands it to the executor's run, which passes it to every stage call and returns the last
+stage's outputs and losses. A stage keeps only what is its own (module, placement, shape cache,
+data-parallel adapter), nothing of a step. Only forwards run here: the executor keeps what a
+forward returns and runs the backward (B, or I then W) itself on the autograd engine
+(csrc/runtime/stage_backward.h).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -18,6 +21,40 @@ import torch.distributed as dist
 from . import _tree
 from .data_parallel import adapter_for
 from .deferred_linear import DeferredLinearHook
+
+# What a module raises where meta tensors cannot run it (no meta kernel, a data-dependent value,
+# a conversion that needs data): shape inference then runs it for real. Any other exception is
+# the user's and propagates from the meta run as it is.
+_META_UNSUPPORTED = (NotImplementedError, RuntimeError, TypeError)
+
+
+@dataclasses.dataclass(eq=False, slots=True)
+class StepData:
+    """One step's data: built by the schedule, handed by the executor to every stage call of
+    the step (csrc/runtime/stage_handle.h, StepData), dropped when the step ends."""
+
+    train: bool                          # the step runs the backward
+    args: list | None = None             # first stage's rank: positional args per microbatch
+    kwargs: list | None = None           # keyword args per microbatch (every stage), or None
+    targets: list | None = None          # last stage's rank: target per microbatch
+    loss_fn: Callable | None = None      # last stage: loss_fn(output, target, **loss_kwargs)
+    loss_kwargs: dict = dataclasses.field(default_factory=dict)
+    keep_outputs: bool = True            # last stage: return each microbatch's output
+    # (stage, microbatch) -> the weight-gradient work its backward leaves for its W
+    # (deferred_linear's queue, dw_builder's runner): the stages' scratch, lives with the step.
+    weight_work: dict = dataclasses.field(default_factory=dict)
+
+    def microbatch_kwargs(self, mb: int) -> dict:
+        return self.kwargs[mb] if self.kwargs else {}
+
+
+def input_signature(step: StepData) -> tuple[list, str]:
+    """The first stage's input signature of a step, under which the pipeline's shapes are
+    negotiated: every tensor in microbatch 0's positional and keyword arguments (all
+    microbatches split alike) and their layout."""
+    tensors: list[torch.Tensor] = []
+    layout = _layout((step.args[0], step.microbatch_kwargs(0)), tensors)
+    return _tree.specs_of(tensors), layout
 
 
 class PipelineStage:
@@ -83,100 +120,90 @@ class PipelineStage:
         self._output_args = output_args
         self._linear = DeferredLinearHook(submodule) if deferred_linear else None
         self.dw_builder = dw_builder
-        self._dw_runners: dict[int, Callable[[], None]] = {}  # mb -> runner, from I to W
         self._dp = adapter_for(submodule, deferred_linear)
-        self._parsed: dict[str, Any] = {}  # input structure string -> parsed, per signature
-        self._in_structure: str | None = None
+        # Shape cache: input structure string -> parsed (per negotiated signature), the one in
+        # use, and whether shape inference may run the module on meta tensors.
+        self._parsed: dict[str, Any] = {}
         self._in_parsed: Any = None
-        self._out_structure: str | None = None
-        self._begin(None, None, None, None, False)
+        self._meta_shapes = True
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, rank={self.group_rank})"
 
-    # ---- per-step state, set by the schedule ---------------------------------------------
+    @contextlib.contextmanager
+    def _step_scope(self, training: bool):
+        """The stage's own modes for the length of one schedule step: data parallelism's sync
+        flags (step_begin / step_end(failed)) and deferred_linear's in-step routing."""
+        failed = True
+        try:
+            if self._dp is not None:
+                self._dp.step_begin(training)
+            if self._linear is not None:
+                self._linear.in_step = training  # a checkpoint recomputing defers the same way
+            yield
+            failed = False
+        finally:
+            if self._linear is not None:
+                self._linear.in_step = False
+            if self._dp is not None:
+                self._dp.step_end(failed)
 
-    def _begin(self, args, kwargs, targets, loss_fn, has_backward: bool, keep_outputs: bool = True,
-               loss_kwargs: dict | None = None) -> None:
-        self._mb_args = args        # first stage: per-microbatch positional args
-        self._mb_kwargs = kwargs    # every stage: per-microbatch keyword args
-        self._targets = targets     # last stage: per-microbatch targets
-        self._loss_fn = loss_fn
-        self._loss_kwargs = loss_kwargs or {}  # the loss function's, the same every microbatch
-        self._has_backward = has_backward
-        self._keep_outputs = keep_outputs      # last stage: keep outputs for step's return
-        self._dw_runners = {}
-        self._queues: dict[int, list] = {}    # mb -> deferred Linear weight work, F to W
-        if self._linear is not None:
-            self._linear.in_step = has_backward  # a checkpoint recomputing defers the same way
-        self.losses: dict[int, torch.Tensor] = {}
-        self.outputs: dict[int, Any] = {}
-
-    def _step_begin(self, training: bool) -> None:
-        """A schedule step starts on this stage (after _begin): data parallelism's step state."""
-        if self._dp is not None:
-            self._dp.step_begin(training)
-
-    def _end(self, failed: bool = False) -> None:
-        if self._dp is not None:
-            self._dp.step_end(failed)
-        self._begin(None, None, None, None, False)
-
-    # ---- executor callbacks ----------------------------------------------------------------
+    # ---- executor callbacks (each with the running step's StepData) -------------------------
 
     def _invoke(self, fn, args: tuple, kwargs: dict):
         """The one place the module runs: fn is the module (or a functional call of it).
         Front ends that route values between stages (zbpipe.pipeline) override it."""
         return fn(*args, **kwargs)
 
-    def _call(self, mb: int, inputs: list[torch.Tensor]):
-        kwargs = self._mb_kwargs[mb] if self._mb_kwargs else {}
+    def _call(self, step: StepData, mb: int, inputs: list[torch.Tensor]):
+        kwargs = step.microbatch_kwargs(mb)
         if self.is_first:
-            return self._invoke(self.submod, tuple(self._mb_args[mb]), kwargs)
+            return self._invoke(self.submod, tuple(step.args[mb]), kwargs)
         args, named = _tree.as_call_args(_tree.unflatten(inputs, self._in_parsed))
         return self._invoke(self.submod, tuple(args), {**named, **kwargs})
 
-    def _zb_forward(self, mb: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Flat outputs (the executor detaches what it sends), or [loss] on the last stage."""
-        if not self._has_backward:
+    def _zb_forward(self, step: StepData, mb: int, inputs: list[torch.Tensor]):
+        """(tensors, loss, output) for the executor (ForwardResult): the flat outputs, None,
+        None on every stage but the last; there [loss] when the step trains (else []), the
+        detached loss (None without a loss_fn) and the detached output when kept (else None)."""
+        if not step.train:
             with torch.no_grad():
-                out = self._call(mb, inputs)
+                out = self._call(step, mb, inputs)
         elif self._linear is not None:
-            self._linear.queue = self._queues[mb] = []
+            self._linear.queue = step.weight_work[(self.stage_index, mb)] = []
             try:
-                out = self._call(mb, inputs)
+                out = self._call(step, mb, inputs)
             finally:
                 self._linear.queue = None
         else:
-            out = self._call(mb, inputs)
+            out = self._call(step, mb, inputs)
         if not self.is_last:
-            return _tree.flatten(out)[0]
-        if self._keep_outputs:
-            self.outputs[mb] = _detach(out)
-        if self._loss_fn is None:
-            return []
-        with contextlib.nullcontext() if self._has_backward else torch.no_grad():
-            loss = self._loss_fn(out, self._targets[mb], **self._loss_kwargs)
-        self.losses[mb] = loss.detach()
-        return [loss] if self._has_backward else []
+            return _tree.flatten(out)[0], None, None
+        kept = _detach(out) if step.keep_outputs else None
+        if step.loss_fn is None:
+            return [], None, kept
+        with contextlib.nullcontext() if step.train else torch.no_grad():
+            loss = step.loss_fn(out, step.targets[mb], **step.loss_kwargs)
+        return ([loss] if step.train else []), loss.detach(), kept
 
     @property
     def _zb_queues_weight_work(self) -> bool:
         """Read once by the executor: W runs _zb_weight_work instead of its graph split."""
         return self._linear is not None or self.dw_builder is not None
 
-    def _zb_weight_work_queued(self, mb: int) -> None:
+    def _zb_weight_work_queued(self, step: StepData, mb: int) -> None:
         """Right after microbatch mb's backward (B or I): a dw_builder builds its runner."""
         if self.dw_builder is not None:
-            self._dw_runners[mb] = self.dw_builder()
+            step.weight_work[(self.stage_index, mb)] = self.dw_builder()
 
-    def _zb_weight_work(self, mb: int) -> None:
+    def _zb_weight_work(self, step: StepData, mb: int) -> None:
         """W of a deferred_linear stage (the Linear weight gradients its backward queued) or
         of a dw_builder stage (the runner built after the backward)."""
+        work = step.weight_work.pop((self.stage_index, mb))
         if self.dw_builder is not None:
-            self._dw_runners.pop(mb)()
+            work()
             return
-        for entry in self._queues.pop(mb):
+        for entry in work:
             entry.run()
 
     @property
@@ -190,27 +217,17 @@ class PipelineStage:
     def _zb_grad_sync_end(self) -> None:
         self._dp.sync_end()
 
-    def _zb_step_inputs(self):
-        """First stage, every step: the signature of microbatch 0's arguments, every tensor in
-        its positional and keyword arguments (the schedule splits all microbatches alike)."""
-        kwargs = self._mb_kwargs[0] if self._mb_kwargs else {}
-        tensors: list[torch.Tensor] = []
-        layout = _layout((self._mb_args[0], kwargs), tensors)
-        return _tree.specs_of(tensors), layout
-
     def _zb_use_inputs(self, structure: str) -> None:
-        """The executor switched back to a signature negotiated earlier: its input structure."""
-        self._in_structure = structure
+        """The executor switched to a signature negotiated earlier (or a new one): its input
+        structure, parsed once per signature."""
         if structure not in self._parsed:
             self._parsed[structure] = _tree.parse(structure)
         self._in_parsed = self._parsed[structure]
 
-    def _zb_infer_outputs(self, specs, structure: str):
+    def _zb_infer_outputs(self, step: StepData, specs, structure: str):
         """Handshake: output signature for the given input signature (see StageHandle)."""
-        kwargs = self._mb_kwargs[0] if self._mb_kwargs else {}
         if self.is_first:
-            args = self._mb_args[0]
-            got = _tree.specs_of([a for a in args if isinstance(a, torch.Tensor)])
+            got = _tree.specs_of([a for a in step.args[0] if isinstance(a, torch.Tensor)])
             where = "its microbatch arguments"
         else:
             got = [(tuple(s), d) for s, d in specs]
@@ -223,45 +240,48 @@ class PipelineStage:
                     f"stage {self.stage_index} was declared with input_args "
                     f"{_tree.format_specs(declared)}, but {where} are {_tree.format_specs(got)}"
                 )
-        if self._output_args is not None:
-            out = self._output_args
-        else:
-            out = self._shape_run(got, kwargs)
+        out = self._output_args if self._output_args is not None else self._shape_run(step, got)
         flat, st = _tree.flatten(out)
-        self._out_structure = st
         return _tree.specs_of(flat), st
 
-    def _shape_run(self, specs, kwargs):
-        """Output of one microbatch without touching real data: meta tensors where the module
-        allows it, else one real no-grad forward on zeros. A DDP stage runs its inner module
-        (no buffer broadcast); an FSDP stage its real, unsharded one (FSDP swaps parameters)."""
+    def _shape_run(self, step: StepData, specs):
+        """Output of microbatch 0 without touching real data: meta tensors where the module
+        allows it, else one real no-grad forward (on zeros; stage 0 on its real arguments). A
+        DDP stage runs its inner module (no buffer broadcast); an FSDP stage its real, unsharded
+        one (FSDP swaps parameters), so it runs for real. A module that meta tensors cannot run
+        (_META_UNSUPPORTED) runs for real from then on; a user error raises once, from the
+        run that met it."""
         module = self.submod if self._dp is None else self._dp.shape_module
         with torch.no_grad():
-            try:
-                if module is None:
-                    raise NotImplementedError("no meta run")
-                state = {
-                    k: torch.empty_like(v, device="meta")
-                    for k, v in list(module.named_parameters()) + list(module.named_buffers())
-                }
-                meta_kw = {k: _to_meta(v) for k, v in kwargs.items()}
-                if self.is_first:
-                    args, named = tuple(_to_meta(a) for a in self._mb_args[0]), {}
-                else:
-                    tensors = [torch.empty(s, dtype=d, device="meta") for s, d in specs]
-                    args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_structure))
+            if module is not None and self._meta_shapes:
+                try:
+                    return self._meta_run(module, step, specs)
+                except _META_UNSUPPORTED:
+                    self._meta_shapes = False
+            return self._real_run(module if module is not None else self.submod, step, specs)
 
-                def meta_call(*a, **k):
-                    return torch.func.functional_call(module, state, a, k)
+    def _meta_run(self, module, step: StepData, specs):
+        state = {k: torch.empty_like(v, device="meta")
+                 for k, v in list(module.named_parameters()) + list(module.named_buffers())}
+        kwargs = {k: _to_meta(v) for k, v in step.microbatch_kwargs(0).items()}
+        if self.is_first:
+            args, named = tuple(_to_meta(a) for a in step.args[0]), {}
+        else:
+            tensors = [torch.empty(s, dtype=d, device="meta") for s, d in specs]
+            args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_parsed))
 
-                return self._invoke(meta_call, tuple(args), {**named, **meta_kw})
-            except Exception:
-                module = module if module is not None else self.submod
-                if self.is_first:
-                    return self._invoke(module, tuple(self._mb_args[0]), kwargs)
-                tensors = [torch.zeros(s, dtype=d, device=self.device) for s, d in specs]
-                args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_structure))
-                return self._invoke(module, tuple(args), {**named, **kwargs})
+        def meta_call(*a, **k):
+            return torch.func.functional_call(module, state, a, k)
+
+        return self._invoke(meta_call, tuple(args), {**named, **kwargs})
+
+    def _real_run(self, module, step: StepData, specs):
+        kwargs = step.microbatch_kwargs(0)
+        if self.is_first:
+            return self._invoke(module, tuple(step.args[0]), kwargs)
+        tensors = [torch.zeros(s, dtype=d, device=self.device) for s, d in specs]
+        args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_parsed))
+        return self._invoke(module, tuple(args), {**named, **kwargs})
 
 
 def _layout(obj, out: list) -> str:

@@ -97,14 +97,25 @@ const StageSignatures& Executor::signatures(int stage) const {
 
 // ---- the step -----------------------------------------------------------------------------
 
-void Executor::run(double loss_scale) {
+StepResult Executor::run(const StepData& data, const Signature& first_inputs, double loss_scale) {
   if (broken_)
     throw PipelineError(detail::str(
         "zbpipe: rank ", rank_, ": this schedule failed in an earlier step; its process group "
         "may hold unmatched messages. Create a new process group and schedule."));
   ++steps_;
+  StepResult result;
+  if (program_.rank_of(program_.num_stages - 1) == rank_) {
+    result.losses.resize(program_.microbatches);
+    result.outputs.resize(program_.microbatches);
+  }
+  struct StepScope {  // the step's data and result are reachable from stage calls only during run
+    Executor& ex;
+    ~StepScope() { ex.step_ = nullptr; ex.result_ = nullptr; }
+  } scope{*this};
+  step_ = &data;
+  result_ = &result;
   DisarmAtExit disarm{watch_};
-  begin_step(loss_scale);
+  begin_step(first_inputs, loss_scale);
   const auto& entries = table_.entries;
   for (size_t i = 0; i < entries.size(); ++i) {
     const Entry& e = entries[i];
@@ -119,13 +130,14 @@ void Executor::run(double loss_scale) {
   }
   join_worker();
   end_step();
+  return result;
 }
 
-void Executor::begin_step(double loss_scale) {
+void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
   or_fail_step(kStepStart, [&] {
     ensure_watch();
     if (watch_) watch_->arm();
-    agree_before_step();
+    agree_before_step(first_inputs);
   });
   loss_scale_ = loss_scale;
   timer_->start_step();
@@ -217,8 +229,11 @@ void Executor::forward(const Entry& e, TraceRecord& rec) {
   if (st.trains)
     for (size_t i = 0; i < inputs.size() && i < in_specs.size(); ++i)
       if (in_specs[i].differentiable()) inputs[i].set_requires_grad(true);
-  auto outs = st.handle->forward(e.mb, inputs);
+  ForwardResult res = st.handle->forward(*step_, e.mb, inputs);
+  auto& outs = res.tensors;
   if (e.stage == program_.num_stages - 1) {  // the loss: the root of the backward
+    result_->losses[e.mb] = std::move(res.loss);
+    result_->outputs[e.mb] = std::move(res.output);
     if (st.trains) sl.roots = std::move(outs);
   } else {
     const auto& out_specs = st.shapes.sigs.outputs.specs;
@@ -254,8 +269,8 @@ void Executor::backward(const Entry& e, const c10::Stream* consumer) {
   std::vector<at::Tensor> in_grads;
   if (e.kind == Kind::B || st.queues_weight) {
     in_grads = backward_full(roots, root_grads, inputs);
-    if (st.queues_weight) st.handle->weight_work_queued(e.mb);
-    if (e.kind == Kind::B && st.queues_weight) st.handle->run_weight_work(e.mb);
+    if (st.queues_weight) st.handle->weight_work_queued(*step_, e.mb);
+    if (e.kind == Kind::B && st.queues_weight) st.handle->run_weight_work(*step_, e.mb);
   } else {
     in_grads = backward_input(roots, root_grads, inputs, sl.weight, &st.split_plans);
   }
@@ -281,7 +296,7 @@ void Executor::hand_on_input_grads(const Entry& e, const std::vector<at::Tensor>
 
 void Executor::weight(const Entry& e) {
   LocalStage& st = stages_[e.local];
-  if (st.queues_weight) st.handle->run_weight_work(e.mb);
+  if (st.queues_weight) st.handle->run_weight_work(*step_, e.mb);
   else backward_weight(st.slot(e.mb).weight);
 }
 

@@ -72,16 +72,17 @@ class Executor {
            std::map<int, std::shared_ptr<StageHandle>> stages, ExecutorOptions options);
   ~Executor();
 
-  // Runs one step (every microbatch). Blocks until this rank's part of the step is done: its
-  // sends completed, every receive waited (on stream-ordered backends: ordered for the stream
-  // and seen complete), each wait bounded by the timeout. The first call compares program
-  // fingerprints; each call agrees on the step's shapes (a handshake for a new input
-  // signature). Each microbatch loss starts its backward with gradient `loss_scale` (1/n: the
-  // gradient of the mean loss). Throws PipelineError naming the rank and failing action, with
-  // the program grid marked, and on a peer's failure naming that rank, its action and message;
-  // after a failure the executor (and the process group's pending traffic) is unusable and
-  // every later call throws. Call without the GIL.
-  void run(double loss_scale = 1.0);
+  // Runs one step (every microbatch) on `data`, which every stage call of the step receives
+  // (see StepData). The first call compares program fingerprints; each call agrees on the
+  // step's shapes under `first_inputs`, the signature of the step's microbatch inputs given on
+  // the rank of stage 0 (read there only, unless static_shapes; a new one runs the handshake).
+  // Each microbatch loss starts its backward with gradient `loss_scale` (1/n: the gradient of
+  // the mean loss). Blocks until the step's sends complete. Returns the last stage's losses and
+  // kept outputs (StepResult; empty on other ranks). Throws PipelineError naming the rank and
+  // failing action, with the program grid marked, and on a peer's failure naming that rank,
+  // its action and message. After a failure the executor (and the process group's pending
+  // traffic) is unusable. Call without the GIL.
+  StepResult run(const StepData& data, const Signature& first_inputs, double loss_scale = 1.0);
 
   // Per-entry timing of the last step (valid after a run that returned).
   const std::vector<TraceRecord>& trace() const { return trace_; }
@@ -119,7 +120,8 @@ class Executor {
   void adopt_stages(std::map<int, std::shared_ptr<StageHandle>> stages);
 
   // ---- the step (executor.cpp) ---------------------------------------------------------
-  void begin_step(double loss_scale);  // agree on program and shapes, post early receives
+  // Agrees on program and shapes (under `first_inputs`), posts early receives.
+  void begin_step(const Signature& first_inputs, double loss_scale);
   // Whether entry `e` runs through custom_: the program's action decides (an OVERLAP_F_B
   // unit, not its parts). Inline: asked once per entry.
   bool runs_custom(const Entry& e) const {
@@ -168,14 +170,15 @@ class Executor {
 
   // ---- step-start agreement (executor_agreement.cpp) ------------------------------------
   void ensure_watch();       // executor id + failure watch, on first use (groups of 2+ ranks)
-  void agree_before_step();  // program fingerprints (first step), then negotiate_shapes
-  // The first stage's rank sends the index of the step's input signature to every rank; a
-  // new signature runs the handshake (every rank learns it is new from the index).
-  void negotiate_shapes();
+  // Program fingerprints (first step), then negotiate_shapes.
+  void agree_before_step(const Signature& first_inputs);
+  // The first stage's rank sends the index of the step's input signature (`first_inputs`) to
+  // every rank; a new signature runs the handshake (every rank learns it is new from the index).
+  void negotiate_shapes(const Signature& first_inputs);
   // The index of the step's input signature among shape_sets_ (its size: a new one), sent by
-  // the first stage's rank (which also fills `key`) and received by every other. Blocks on
-  // the receive (at most the timeout); throws PipelineError.
-  int64_t exchange_signature_index(Signature& key);
+  // the first stage's rank (which also sets `key` to `first_inputs`) and received by every
+  // other. Blocks on the receive (at most the timeout); throws PipelineError.
+  int64_t exchange_signature_index(const Signature& first_inputs, Signature& key);
   void adopt_shapes(int set);  // make shape set `set` the current one
 
   // ---- register_custom_function (executor_custom.cpp) -----------------------------------
@@ -201,6 +204,8 @@ class Executor {
   std::vector<LocalStage> stages_;  // by local index (ascending global stage)
   DispatchTable table_;
   std::vector<TraceRecord> trace_;  // per entry of table_
+  const StepData* step_ = nullptr;  // the running step's data (set by run, null between steps)
+  StepResult* result_ = nullptr;    // what run returns, filled by the last stage's forwards
   std::unique_ptr<DeviceTimer> timer_;
   std::unique_ptr<StepComms> comms_;
   double loss_scale_ = 1.0;

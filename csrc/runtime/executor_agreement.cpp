@@ -45,19 +45,19 @@ void Executor::report_setup_failure(P2P& p2p, const std::string& what) {
   }
 }
 
-void Executor::agree_before_step() {
+void Executor::agree_before_step(const Signature& first_inputs) {
   if (!agreed_ && watch_) {
     agree_on_program(*p2p_->store(), detail::str("zbpipe/x", id_, "/"), rank_, program_.pp,
                      program_fingerprint(program_, options_.static_shapes), options_.timeout, *watch_);
   }
   agreed_ = true;
-  negotiate_shapes();
+  negotiate_shapes(first_inputs);
 }
 
-void Executor::negotiate_shapes() {
+void Executor::negotiate_shapes(const Signature& first_inputs) {
   if (options_.static_shapes && ready_) return;
   Signature key;
-  const int64_t index = options_.static_shapes ? 0 : exchange_signature_index(key);  // static: the only set
+  const int64_t index = options_.static_shapes ? 0 : exchange_signature_index(first_inputs, key);  // static: the only set
   ZB_CHECK(index >= 0 && index <= static_cast<int64_t>(shape_sets_.size()), "rank ", program_.rank_of(0),
            " named input signature ", index, " but ", shape_sets_.size(), " are known here");
   if (index < static_cast<int64_t>(shape_sets_.size())) {
@@ -67,7 +67,7 @@ void Executor::negotiate_shapes() {
   // A signature no step had: every rank runs the handshake for it.
   std::map<int, StageHandle*> handles;
   for (const auto& st : stages_) handles[st.stage] = st.handle.get();
-  auto sigs = exchange_signatures(program_, *p2p_, handles, options_.timeout);
+  auto sigs = exchange_signatures(program_, *p2p_, handles, *step_, options_.timeout);
   ++handshakes_;
   ShapeSet set;
   set.key = std::move(key);
@@ -83,11 +83,11 @@ void Executor::negotiate_shapes() {
   adopt_shapes(static_cast<int>(shape_sets_.size()) - 1);
 }
 
-int64_t Executor::exchange_signature_index(Signature& key) {
+int64_t Executor::exchange_signature_index(const Signature& first_inputs, Signature& key) {
   const int r0 = program_.rank_of(0);
   auto opts = at::TensorOptions().dtype(at::kLong).device(p2p_->device());
   if (rank_ == r0) {
-    key = stages_[0].handle->step_inputs();  // stage 0 is the lowest local stage of its rank
+    key = first_inputs;
     int64_t index = static_cast<int64_t>(shape_sets_.size());
     for (size_t i = 0; i < shape_sets_.size(); ++i)
       if (same(shape_sets_[i].key, key)) index = static_cast<int64_t>(i);

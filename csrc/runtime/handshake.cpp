@@ -93,6 +93,7 @@ int step_signature_tag() { return kHandshakeTagBase + (1 << 28); }
 
 std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
                                                    const std::map<int, StageHandle*>& stages,
+                                                   const StepData& step,
                                                    std::chrono::milliseconds timeout) {
   const int me = p2p.rank();
   const int last = p.num_stages - 1;
@@ -129,7 +130,7 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
       res = in;
     } else {
       try {
-        res.sig = handle->infer_outputs(in.sig);
+        res.sig = handle->infer_outputs(step, in.sig);
         out[s] = StageSignatures{in.sig, res.sig};
       } catch (const std::exception& e) {
         res.status = 1;

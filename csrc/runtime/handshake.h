@@ -19,9 +19,11 @@ struct StageSignatures {
 };
 
 // Runs on every rank of `p` together; returns the signatures of this rank's stages (keyed by
-// global stage). Throws PipelineError on every rank when any stage rejected its inputs.
+// global stage). `step`: the data of the step it runs in (StageHandle::infer_outputs reads it).
+// Throws PipelineError on every rank when any stage rejected its inputs.
 std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
                                                    const std::map<int, StageHandle*>& stages,
+                                                   const StepData& step,
                                                    std::chrono::milliseconds timeout);
 
 // Tags of the handshake messages, disjoint from the per-microbatch data tags.

@@ -1,10 +1,12 @@
-// The executor's view of one pipeline stage: an abstract interface, so csrc/runtime needs no
-// pybind11 (the Python PipelineStage implements it through a trampoline in module.cpp).
+// The executor's view of one pipeline stage and of a step's data: abstract interfaces, so
+// csrc/runtime needs no pybind11 (the Python PipelineStage implements them through the
+// trampolines in csrc/python/py_stage.h).
 #pragma once
 
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -32,29 +34,62 @@ struct Signature {
   std::string structure;
 };
 
+// One step's data, opaque to the runtime: what the front end hands Executor::run (the
+// microbatch arguments, targets, loss function and mode of the step) and the executor hands,
+// unread, to every stage call of that step. It lives for the call to run; stages read it and
+// keep nothing of it past the step.
+class StepData {
+ public:
+  virtual ~StepData() = default;
+};
+
+// A value of the front end the runtime carries back unread: the last stage's output of one
+// microbatch, kept for the caller (Python: the detached output, any structure).
+class StageOutput {
+ public:
+  virtual ~StageOutput() = default;
+};
+
+// What a forward returns to the executor.
+struct ForwardResult {
+  // The flat outputs (every stage but the last) or, on the last stage, the loss when the step
+  // trains (empty otherwise). When the step trains they are the roots of this microbatch's
+  // backward.
+  std::vector<at::Tensor> tensors;
+  at::Tensor loss;                      // last stage: the detached loss (undefined without one)
+  std::shared_ptr<StageOutput> output;  // last stage: the kept output (null when not kept)
+};
+
+// What Executor::run returns. On the rank of the last stage both hold one entry per
+// microbatch (in microbatch order); elsewhere both are empty.
+struct StepResult {
+  std::vector<at::Tensor> losses;                    // undefined where the step had no loss
+  std::vector<std::shared_ptr<StageOutput>> outputs;  // null where no output was kept
+};
+
 // Contract: every call is made from the executor thread, in program order, without the Python
-// GIL held. Microbatch indices are in [0, microbatches). The backward (B, I, W) is the
-// executor's: it runs the autograd engine from the tensors forward returned (see
+// GIL held. Microbatch indices are in [0, microbatches). `step` is the data of the running step
+// (the one given to Executor::run; a handshake runs inside a step too). The backward (B, I, W)
+// is the executor's: it runs the autograd engine from the tensors forward returned (see
 // stage_backward.h), so a stage only computes forwards.
 class StageHandle {
  public:
   virtual ~StageHandle() = default;
 
   // Forward of microbatch `mb` on `inputs`, the tensors of the boundary with the previous
-  // stage (empty on stage 0, which reads its own microbatch arguments); differentiable inputs
-  // already require grad when the step trains. Returns the flat outputs or, on the last
-  // stage, the loss (empty without a loss function). When the step trains, the returned
-  // tensors are the roots of this microbatch's backward.
-  virtual std::vector<at::Tensor> forward(int mb, const std::vector<at::Tensor>& inputs) = 0;
+  // stage (empty on stage 0, which reads its microbatch arguments from `step`);
+  // differentiable inputs already require grad when the step trains. Returns what
+  // ForwardResult describes; throws on a failure of the stage's code.
+  virtual ForwardResult forward(const StepData& step, int mb, const std::vector<at::Tensor>& inputs) = 0;
 
   // Whether the stage queues weight-gradient work of its own during the backward (deferred
   // nn.Linear): the executor then runs a full backward for I and run_weight_work for W.
   virtual bool queues_weight_work() const { return false; }
   // Runs the weight-gradient work queued by microbatch `mb`'s backward.
-  virtual void run_weight_work(int /*mb*/) {}
+  virtual void run_weight_work(const StepData& /*step*/, int /*mb*/) {}
   // Called right after microbatch `mb`'s backward (B or I) on a stage that queues weight work,
   // before its run_weight_work: the moment torch's dw_builder builds the runner W will call.
-  virtual void weight_work_queued(int /*mb*/) {}
+  virtual void weight_work_queued(const StepData& /*step*/, int /*mb*/) {}
 
   // Data parallelism around the stage (DDP, FSDP2): read once. When true the executor calls
   // begin_gradient_sync right before the stage's last backward action of each step (its last
@@ -65,20 +100,16 @@ class StageHandle {
   virtual void begin_gradient_sync(const std::vector<at::Tensor>& /*roots*/) {}
   virtual void end_gradient_sync() {}
 
-  // First stage only, every step (unless static_shapes): the signature of this step's
-  // microbatch inputs (every microbatch of a step has the same), the key under which the
-  // pipeline's shapes are negotiated.
-  virtual Signature step_inputs() { return {}; }
   // The executor switches back to signatures negotiated earlier: the input structure the
   // stage should rebuild its arguments with (what infer_outputs received then).
   virtual void use_inputs(const Signature& /*inputs*/) {}
 
   // Shape inference for the pipeline handshake (at the first step and for every new input
   // signature): given the signature arriving from the previous stage (empty structure on
-  // stage 0, which reads this step's arguments), returns this stage's output signature. The
+  // stage 0, which reads the arguments in `step`), returns this stage's output signature. The
   // stage keeps the input structure to rebuild its arguments. A declared input signature
   // that disagrees is reported by throwing (the runtime tells every rank).
-  virtual Signature infer_outputs(const Signature& inputs) = 0;
+  virtual Signature infer_outputs(const StepData& step, const Signature& inputs) = 0;
 };
 
 }  // namespace zbpipe::runtime

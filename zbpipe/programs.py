@@ -1,4 +1,5 @@
-"""Python face of the schedule core: compile() and simulate() with scalar-or-list costs."""
+"""Programs from the schedule core: schedule_names(), compile() and simulate() (costs as scalars
+or per-stage lists), schedule_options(). The classes that run a program are in schedules.py."""
 
 from __future__ import annotations
 

@@ -1,0 +1,48 @@
+// The core's Python face where a binding needs more than a direct call: collecting compile()'s
+// optional arguments into BuildArgs, cost lists into a CostModel, and the values and reprs the
+// core's types show in Python.
+#pragma once
+
+#include <cstddef>
+#include <optional>
+#include <string>
+#include <tuple>
+#include <utility>
+#include <vector>
+
+#include "zbpipe/action.h"
+#include "zbpipe/program.h"
+#include "zbpipe/simulator.h"
+
+namespace zbpipe::python {
+
+// compile(name, pp, microbatches, stages_per_rank, *options): an option left at None (false
+// for exhaustive_search) is not given, so the schedule's default applies and no schedule
+// refuses it (check_options). Runs without the GIL.
+Program compile_program(const std::string& name, int pp, int microbatches, int stages_per_rank,
+                        std::optional<std::vector<double>> f, std::optional<std::vector<double>> b,
+                        std::optional<std::vector<double>> w, std::optional<std::vector<double>> b_full,
+                        std::optional<double> comm, std::optional<int> memory_cap,
+                        bool exhaustive_search, std::optional<int> search_threads);
+// Only the builder: the compute-only program, neither lowered nor validated.
+Program build_program(const std::string& name, int pp, int microbatches, int stages_per_rank);
+SimResult simulate_program(const Program& p, std::vector<double> f, std::vector<double> b,
+                           std::vector<double> w, std::vector<double> b_full, double comm);
+
+std::vector<std::pair<std::string, std::string>> schedule_summaries();  // (name, summary)
+std::vector<std::string> schedule_option_names(const std::string& name);
+void validate_program(const Program& p, bool rendezvous);
+// The runtime's batches of `rank` as (begin, end, after_f_half) action index ranges.
+std::vector<std::tuple<int, int, bool>> comm_batch_ranges(const Program& p, int rank, bool split_overlap);
+
+// Program.actions / compute_actions: canonical strings of one rank.
+std::vector<std::string> actions_with_comms(const Program& p, int rank);
+std::vector<std::string> compute_actions(const Program& p, int rank);
+
+bool action_is_compute(const Action& a);
+std::size_t action_hash(const Action& a);
+std::string program_repr(const Program& p);
+std::string timeline_event_repr(const TimelineEvent& e);
+std::string sim_result_repr(const SimResult& r);
+
+}  // namespace zbpipe::python

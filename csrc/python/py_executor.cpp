@@ -1,0 +1,139 @@
+// The runtime's Python face (see py_executor.h).
+#include "python/py_executor.h"
+
+#include <chrono>
+#include <map>
+
+#include "python/py_stage.h"
+#include "runtime/p2p.h"
+#include "runtime/trace.h"
+
+namespace zbpipe::python {
+
+namespace {
+
+std::chrono::milliseconds to_ms(double seconds) {
+  return std::chrono::milliseconds(static_cast<int64_t>(seconds * 1000.0));
+}
+
+// register_custom_function's handler: a Python callable fn(action), called with the GIL.
+class PyCustomActions final : public runtime::CustomActions {
+ public:
+  explicit PyCustomActions(py::object fn) : fn_(std::move(fn)) {}
+  ~PyCustomActions() override {
+    py::gil_scoped_acquire gil;
+    fn_ = py::object();
+  }
+  void run(const Action& action) override {
+    py::gil_scoped_acquire gil;
+    guarded([&] { fn_(action); }, "the custom function");
+  }
+
+ private:
+  py::object fn_;
+};
+
+py::dict trace_record_to_py(const runtime::TraceRecord& r) {
+  py::dict d;
+  d["action"] = r.action;
+  d["rank"] = r.rank;
+  d["index"] = r.index;
+  d["entry"] = r.entry;
+  d["unit"] = r.unit;
+  d["host_start_ns"] = r.host_start_ns;
+  d["host_end_ns"] = r.host_end_ns;
+  d["wait_ns"] = r.wait_ns;
+  d["worker"] = r.worker;
+  d["device_start_us"] = r.device_start_us;
+  d["device_end_us"] = r.device_end_us;
+  return d;
+}
+
+py::tuple signature_to_py(const runtime::Signature& s) {
+  return py::make_tuple(specs_to_py(s.specs), s.structure);
+}
+
+}  // namespace
+
+std::unique_ptr<runtime::Executor> make_executor(
+    const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
+    const py::dict& stages, const at::Device& device, double timeout_s, bool device_timing,
+    std::optional<bool> prepost_receives, bool static_shapes, std::optional<bool> stream_ordered,
+    bool overlap_f_b) {
+  std::map<int, std::shared_ptr<runtime::StageHandle>> handles;
+  for (auto [index, stage] : stages)
+    handles[index.cast<int>()] = std::make_shared<PyStage>(py::reinterpret_borrow<py::object>(stage));
+  runtime::ExecutorOptions options;
+  options.timeout = to_ms(timeout_s);
+  options.device_timing = device_timing;
+  options.prepost_receives = prepost_receives;
+  options.static_shapes = static_shapes;
+  options.overlap_f_b = overlap_f_b;
+  runtime::P2POptions p2p_options;
+  p2p_options.stream_ordered = stream_ordered;
+  return std::make_unique<runtime::Executor>(
+      program, std::make_unique<runtime::P2P>(process_group, device, p2p_options), std::move(handles), options);
+}
+
+py::tuple run_step(runtime::Executor& executor, py::object step, py::object first_inputs,
+                   double loss_scale) {
+  const PyStepData data(std::move(step));
+  const runtime::Signature inputs = signature_from_py(first_inputs);
+  runtime::StepResult result;
+  {
+    py::gil_scoped_release nogil;  // stage calls take it back (PyStage)
+    result = executor.run(data, inputs, loss_scale);
+  }
+  py::list outputs, losses;
+  for (const auto& out : result.outputs)
+    outputs.append(out ? static_cast<const PyStageOutput&>(*out).object() : py::none());
+  for (const auto& loss : result.losses)
+    losses.append(loss.defined() ? py::cast(loss) : py::none());
+  return py::make_tuple(outputs, losses);
+}
+
+void set_custom_actions(runtime::Executor& executor, py::object fn, const std::vector<Kind>& kinds) {
+  executor.set_custom_actions(fn.is_none() ? nullptr : std::make_shared<PyCustomActions>(std::move(fn)), kinds);
+}
+
+void set_timeout(runtime::Executor& executor, double timeout_s) { executor.set_timeout(to_ms(timeout_s)); }
+
+void report_setup_failure(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
+                          const at::Device& device, const std::string& what) {
+  runtime::P2P p2p(process_group, device);
+  runtime::Executor::report_setup_failure(p2p, what);
+}
+
+py::tuple signatures_to_py(const runtime::Executor& executor, int stage) {
+  const auto& s = executor.signatures(stage);
+  return py::make_tuple(signature_to_py(s.inputs), signature_to_py(s.outputs));
+}
+
+py::list trace_to_py(const runtime::Executor& executor) {
+  py::list out;
+  for (const auto& r : executor.trace()) out.append(trace_record_to_py(r));
+  return out;
+}
+
+std::string chrome_trace(const runtime::Executor& executor) {
+  return runtime::chrome_trace_json(executor.trace());
+}
+
+void export_chrome_trace(const runtime::Executor& executor, const std::string& path) {
+  runtime::write_chrome_trace(path, executor.trace());
+}
+
+py::list loopback_events(const runtime::LoopbackWorld& world, int rank) {
+  py::list out;
+  for (const auto& e : world.events(rank)) {
+    const char* type = e.type == runtime::LoopbackEvent::Type::Post   ? "post"
+                       : e.type == runtime::LoopbackEvent::Type::Wait ? "wait"
+                                                                      : "sync";
+    py::list ops;
+    for (const auto& o : e.ops) ops.append(py::make_tuple(o.is_send ? "send" : "recv", o.peer, o.tag, o.bytes));
+    out.append(py::make_tuple(type, e.work, e.coalesced, ops));
+  }
+  return out;
+}
+
+}  // namespace zbpipe::python

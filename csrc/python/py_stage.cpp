@@ -1,0 +1,102 @@
+// PyStage and the opaque-value holders (see py_stage.h).
+#include "python/py_stage.h"
+
+#include "zbpipe/error.h"
+
+namespace zbpipe::python {
+
+const py::object& step_object(const runtime::StepData& step) {
+  const auto* held = dynamic_cast<const PyStepData*>(&step);
+  ZB_CHECK(held, "a Python stage was called with a step not made by Executor.run");
+  return held->object();
+}
+
+py::list specs_to_py(const std::vector<runtime::TensorSpec>& specs) {
+  py::list out;
+  for (const auto& s : specs) out.append(py::make_tuple(py::tuple(py::cast(s.shape)), s.dtype));
+  return out;
+}
+
+std::vector<runtime::TensorSpec> specs_from_py(const py::handle& obj) {
+  std::vector<runtime::TensorSpec> out;
+  for (auto item : obj) {
+    auto pair = item.cast<py::tuple>();
+    out.push_back(runtime::TensorSpec{pair[0].cast<std::vector<int64_t>>(), pair[1].cast<at::ScalarType>()});
+  }
+  return out;
+}
+
+runtime::Signature signature_from_py(const py::handle& obj) {
+  if (obj.is_none()) return {};
+  auto pair = obj.cast<py::tuple>();
+  return runtime::Signature{specs_from_py(pair[0]), pair[1].cast<std::string>()};
+}
+
+std::string format_python_error(py::error_already_set& e) {
+  try {
+    auto lines = py::module_::import("traceback").attr("format_exception")(e.type(), e.value(), e.trace());
+    return py::str("").attr("join")(lines).cast<std::string>();
+  } catch (...) {
+    return e.what();
+  }
+}
+
+PyStage::PyStage(py::object stage)
+    : stage_(std::move(stage)),
+      forward_(stage_.attr("_zb_forward")),
+      weight_work_(stage_.attr("_zb_weight_work")),
+      weight_queued_(stage_.attr("_zb_weight_work_queued")),
+      infer_(stage_.attr("_zb_infer_outputs")),
+      queues_weight_(stage_.attr("_zb_queues_weight_work").cast<bool>()),
+      syncs_grads_(stage_.attr("_zb_syncs_gradients").cast<bool>()) {}
+
+PyStage::~PyStage() {
+  py::gil_scoped_acquire gil;
+  stage_ = forward_ = weight_work_ = weight_queued_ = infer_ = py::object();
+}
+
+runtime::ForwardResult PyStage::forward(const runtime::StepData& step, int mb,
+                                        const std::vector<at::Tensor>& inputs) {
+  py::gil_scoped_acquire gil;
+  return guarded([&] {
+    // _zb_forward returns (flat tensors, detached loss or None, kept output or None).
+    py::tuple res = forward_(step_object(step), mb, inputs);
+    runtime::ForwardResult out;
+    out.tensors = res[0].cast<std::vector<at::Tensor>>();
+    if (!res[1].is_none()) out.loss = res[1].cast<at::Tensor>();
+    if (!res[2].is_none()) out.output = std::make_shared<PyStageOutput>(res[2]);
+    return out;
+  });
+}
+
+void PyStage::run_weight_work(const runtime::StepData& step, int mb) {
+  py::gil_scoped_acquire gil;
+  guarded([&] { weight_work_(step_object(step), mb); });
+}
+
+void PyStage::weight_work_queued(const runtime::StepData& step, int mb) {
+  py::gil_scoped_acquire gil;
+  guarded([&] { weight_queued_(step_object(step), mb); });
+}
+
+void PyStage::begin_gradient_sync(const std::vector<at::Tensor>& roots) {
+  py::gil_scoped_acquire gil;
+  guarded([&] { stage_.attr("_zb_grad_sync_begin")(roots); });
+}
+
+void PyStage::end_gradient_sync() {
+  py::gil_scoped_acquire gil;
+  guarded([&] { stage_.attr("_zb_grad_sync_end")(); });
+}
+
+void PyStage::use_inputs(const runtime::Signature& inputs) {
+  py::gil_scoped_acquire gil;
+  guarded([&] { stage_.attr("_zb_use_inputs")(inputs.structure); });
+}
+
+runtime::Signature PyStage::infer_outputs(const runtime::StepData& step, const runtime::Signature& inputs) {
+  py::gil_scoped_acquire gil;
+  return guarded([&] { return signature_from_py(infer_(step_object(step), specs_to_py(inputs.specs), inputs.structure)); });
+}
+
+}  // namespace zbpipe::python
