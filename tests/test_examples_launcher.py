@@ -1,38 +1,48 @@
-"""The local launcher ends every rank when one fails or the deadline passes (no hang, no orphan)."""
+"""The package's launcher (zbpipe.train.launcher): a world returns every rank's result, keeps its
+processes across runs, ends every rank when one fails or the deadline passes (no hang, no
+orphan), and starts afresh after a failure."""
 
 from __future__ import annotations
 
+import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from zbpipe.examples.launcher import run_local
+from zbpipe.train.launcher import LocalWorld, RankFailure, run_local
 
 
-def _rank1_fails(rank, world, device):
+def _rank1_fails(rank, world):
     if rank == 1:
         raise ValueError("rank 1 broke on purpose")
     dist.recv(torch.empty(1), src=1)  # would wait for the process-group timeout without cleanup
 
 
-def _sleeps(rank, world, device):
+def _sleeps(rank, world):
     time.sleep(60)
 
 
-def _sums(rank, world, device, out_dir):
+def _sums(rank, world):
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
-    with open(f"{out_dir}/r{rank}", "w") as f:
-        f.write(str(t.item()))
+    return t.item(), os.getpid(), os.environ["GLOO_SOCKET_IFNAME"]
+
+
+def _rank1_exits(rank, world):
+    if rank == 1:
+        os._exit(3)
+    time.sleep(0.5)
+    return "survived"
 
 
 def test_failed_rank_stops_the_others():
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match="rank 1 failed first: ValueError: rank 1 broke on purpose"):
+    with pytest.raises(RankFailure, match="rank 1 failed first: ValueError: rank 1 broke on purpose") as info:
         run_local(_rank1_fails, 2, timeout_s=30, pg_timeout_s=30)
     assert time.monotonic() - t0 < 20
+    assert "rank 1 broke on purpose" in info.value.tracebacks[1]
 
 
 def test_deadline_stops_all_ranks():
@@ -40,6 +50,17 @@ def test_deadline_stops_all_ranks():
         run_local(_sleeps, 2, timeout_s=3)
 
 
-def test_ranks_share_a_process_group(tmp_path):
-    run_local(_sums, 3, (str(tmp_path),), timeout_s=30)
-    assert [float((tmp_path / f"r{r}").read_text()) for r in range(3)] == [6.0, 6.0, 6.0]
+def test_a_world_keeps_its_ranks_across_runs_and_restarts_after_a_failure():
+    with LocalWorld(3, gloo_devices=2) as world:
+        first = world.run(_sums, timeout_s=60)
+        assert [r[0] for r in first] == [6.0, 6.0, 6.0]  # every rank, in rank order
+        assert {r[2] for r in first} == {"lo,lo"}
+        pids = world.pids
+        assert [r[1] for r in world.run(_sums, timeout_s=30)] == pids  # the same processes
+        with pytest.raises(RankFailure, match="rank 1 failed first: exited with code 3") as info:
+            world.run(_rank1_exits, timeout_s=30, settle_s=10)
+        assert info.value.results == {0: "survived", 2: "survived"}  # waited for by settle_s
+        assert world.pids == []  # stopped
+        again = world.run(_sums, timeout_s=60)
+        assert [r[0] for r in again] == [6.0, 6.0, 6.0]
+        assert not set(pids) & {r[1] for r in again}

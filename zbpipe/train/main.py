@@ -1,7 +1,8 @@
-"""`python -m zbpipe.train`: pipelined training of a tiny transformer, checked against one process.
+"""`zbpipe train` / `python -m zbpipe.train`: pipelined training of a tiny transformer, checked
+against one process.
 
 Spawns `--pp` x `--dp` local ranks (Gloo on 127.0.0.1, or NCCL with --device cuda), splits the
-model of zbpipe.examples.tiny_transformer into pipeline stages, trains it on the synthetic Markov
+model of zbpipe.train.model into pipeline stages, trains it on the synthetic Markov
 task with the chosen schedule, and prints step / loss / tokens-per-second from the rank that
 holds the last stage. With `--dp N`, N pipeline replicas each train on 1/N of every batch, their
 stages wrapped in DistributedDataParallel over the replicas of the same stage (the printed loss
@@ -13,11 +14,8 @@ so they agree to float-reassociation tolerance (exit status 1 if they do not).
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import os
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -26,10 +24,12 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from .examples.launcher import run_local
-from .examples.pipelines import LIBRARIES, SCHEDULES, build_pipeline, num_stages_for, spec_for, stage_to_rank
-from .examples.synthetic import MarkovTask
-from .examples.tiny_transformer import TinyConfig, build_stages, lm_loss, stage_io_examples
+import zbpipe
+
+from .data import MarkovTask
+from .launcher import rank_device, run_local
+from .model import TinyConfig, build_stages, lm_loss, stage_io_examples
+from .pipeline import LIBRARIES, build_pipeline, schedule_class, topology, training_schedules
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -48,7 +48,7 @@ def _parser() -> argparse.ArgumentParser:
         "trained in one process (same seed, data and optimizer).",
         formatter_class=_DefaultsHelp,
     )
-    p.add_argument("--schedule", default="zbv", choices=sorted(SCHEDULES), help="pipeline schedule")
+    p.add_argument("--schedule", default="zbv", choices=sorted(training_schedules()), help="pipeline schedule")
     p.add_argument("--lib", default="zbpipe", choices=LIBRARIES,
                    help="pipeline library: zbpipe, or torch.distributed.pipelining for comparison")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
@@ -91,14 +91,20 @@ def _groups(rank: int, pp: int, dp: int):
     return pipes[rank // pp], replicas[rank % pp]
 
 
-def _worker(rank: int, world: int, device: torch.device, opts: dict[str, Any], out_path: str) -> None:
+def _topology(opts: dict[str, Any]) -> zbpipe.Program:
+    return topology(opts["schedule"], opts["pp"], opts["microbatches"], opts["stages_per_rank"])
+
+
+def _worker(rank: int, world: int, opts: dict[str, Any]) -> list[float] | None:
     """One pipeline rank: builds every stage from the seed (identical init everywhere), keeps
     its own, and trains them on its replica's share of each batch; the rank holding the last
-    stage of replica 0 logs and records the losses (averaged over the replicas)."""
+    stage of replica 0 logs and returns the losses (averaged over the replicas)."""
     pp, dp = opts["pp"], opts["dp"]
+    device = rank_device()
     replica = rank // pp
     group, dp_group = _groups(rank, pp, dp) if dp > 1 else (None, None)
-    num_stages = num_stages_for(opts["schedule"], pp, opts["stages_per_rank"])
+    program = _topology(opts)
+    num_stages = program.num_stages
     cfg = _config(opts, num_stages)
     task = MarkovTask(cfg.vocab, cfg.seq_len, opts["seed"])
     modules = build_stages(cfg, num_stages, opts["seed"])
@@ -106,7 +112,7 @@ def _worker(rank: int, world: int, device: torch.device, opts: dict[str, Any], o
     mb = share // opts["microbatches"]
     wrap = (lambda m: DistributedDataParallel(m, process_group=dp_group)) if dp > 1 else None
     sched, local = build_pipeline(
-        opts["lib"], opts["schedule"], modules, rank % pp, pp, device, opts["microbatches"], lm_loss,
+        opts["lib"], program, modules, rank % pp, device, lm_loss,
         group=group, io_examples=lambda s: stage_io_examples(cfg, s, num_stages, mb, device), wrap=wrap,
     )
     optim = _optimizer(opts, [p for s in local for p in modules[s].parameters()])
@@ -141,9 +147,7 @@ def _worker(rank: int, world: int, device: torch.device, opts: dict[str, Any], o
             window_t, window_steps = now, 0
     if opts["trace"]:
         sched.export_chrome_trace(f"{opts['trace']}.rank{rank}.json")
-    if last and replica == 0:
-        with open(out_path, "w") as f:
-            json.dump(history, f)
+    return history if last and replica == 0 else None
 
 
 def _single_process(opts: dict[str, Any], num_stages: int, device: torch.device) -> list[float]:
@@ -163,65 +167,58 @@ def _single_process(opts: dict[str, Any], num_stages: int, device: torch.device)
     return history
 
 
-def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> int:
-    try:
-        num_stages = num_stages_for(a.schedule, a.pp, a.stages_per_rank)
-    except ValueError as e:
-        p.error(str(e))
-    if a.lib == "torch" and not spec_for(a.schedule).in_torch:
-        p.error(f"--lib torch: torch.distributed.pipelining has no '{a.schedule}' schedule")
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> zbpipe.Program:
+    """Refuses bad arguments (argparse's usage error, exit status 2) before any process starts;
+    returns the schedule's program (its topology)."""
     if a.pp < 1 or a.microbatches < 1 or a.steps < 1 or a.batch_size < 1 or a.dp < 1:
         p.error("--pp, --dp, --microbatches, --steps and --batch-size must be >= 1")
+    try:  # zbpipe validates (pp, microbatches, stages per rank) for either library
+        program = _topology(vars(a))
+    except zbpipe.ScheduleError as e:
+        p.error(str(e))
+    try:
+        schedule_class(a.lib, a.schedule)
+    except ValueError as e:
+        p.error(f"--lib {a.lib}: {e}")
     if a.batch_size % (a.microbatches * a.dp) != 0:
         p.error(f"--batch-size ({a.batch_size}) must be divisible by --microbatches x --dp "
                 f"({a.microbatches} x {a.dp})")
     if a.trace and a.lib != "zbpipe":
         p.error("--trace needs --lib zbpipe")
-    if a.lib == "zbpipe":
-        import zbpipe  # validates (pp, microbatches) here, before any process starts
-
-        spr = num_stages // a.pp
-        try:
-            zbpipe.compile(a.schedule, a.pp, a.microbatches, spr if spr > 1 else None)
-        except zbpipe.ScheduleError as e:
-            p.error(str(e))
     if a.device == "cuda" and torch.cuda.device_count() < a.pp * a.dp:
         p.error(f"--device cuda needs one GPU per rank: --pp {a.pp} x --dp {a.dp}, "
                 f"found {torch.cuda.device_count()}")
-    if a.layers is not None and a.layers < num_stages:
-        p.error(f"--layers ({a.layers}) must be >= the number of stages ({num_stages})")
-    return num_stages
+    if a.layers is not None and a.layers < program.num_stages:
+        p.error(f"--layers ({a.layers}) must be >= the number of stages ({program.num_stages})")
+    return program
 
 
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
-    num_stages = _check_args(p, a)
+    program = _check_args(p, a)
+    num_stages = program.num_stages
     opts = vars(a).copy()
     opts["log_every"] = a.log_every or max(1, a.steps // 10)
     cfg = _config(opts, num_stages)
     task = MarkovTask(cfg.vocab, cfg.seq_len, a.seed)
-    ranks = stage_to_rank(a.pp, num_stages, spec_for(a.schedule).style)
     print(f"zbpipe train: lib={a.lib} schedule={a.schedule} pp={a.pp} dp={a.dp} stages={num_stages} "
-          f"(stage->rank {ranks}) microbatches={a.microbatches} batch={a.batch_size} "
+          f"(stage->rank {list(program.stage_to_rank)}) microbatches={a.microbatches} batch={a.batch_size} "
           f"steps={a.steps} device={a.device}", flush=True)
     print(f"model: {cfg.n_layers} blocks d={cfg.d_model} heads={cfg.n_heads} vocab={cfg.vocab} "
           f"seq={cfg.seq_len}; task: 2nd-order Markov chain, loss floor ~{task.entropy_floor():.3f} "
           f"nats (uniform {math.log(cfg.vocab):.3f}); optimizer {a.optimizer} lr={a.lr}", flush=True)
-    with tempfile.TemporaryDirectory(prefix="zbpipe_train_") as tmp:
-        out_path = os.path.join(tmp, "losses.json")
-        t0 = time.perf_counter()
-        try:
-            run_local(_worker, a.pp * a.dp, (opts, out_path), device=a.device, timeout_s=a.timeout)
-        except KeyboardInterrupt:
-            print("interrupted: all ranks stopped", file=sys.stderr)
-            return 130
-        except (RuntimeError, TimeoutError) as e:
-            print(f"pipelined run failed: {e}", file=sys.stderr)
-            return 1
-        pipe_s = time.perf_counter() - t0
-        with open(out_path) as f:
-            piped = json.load(f)
+    t0 = time.perf_counter()
+    try:
+        results = run_local(_worker, a.pp * a.dp, (opts,), device=a.device, timeout_s=a.timeout)
+    except KeyboardInterrupt:
+        print("interrupted: all ranks stopped", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError) as e:
+        print(f"pipelined run failed: {e}", file=sys.stderr)
+        return 1
+    pipe_s = time.perf_counter() - t0
+    piped = next(r for r in results if r is not None)
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # like each rank, so the reference does the same float math
     ref = _single_process(opts, num_stages, torch.device("cuda" if a.device == "cuda" else "cpu"))
@@ -234,7 +231,3 @@ def main(argv: list[str] | None = None) -> int:
           f"diff {diff:.2e} (max over {len(diffs)} steps {worst:.2e}, tol {a.tol:.0e}) "
           f"{'MATCH' if ok else 'MISMATCH'}", flush=True)
     return 0 if ok else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
