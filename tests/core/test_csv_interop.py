@@ -1,7 +1,7 @@
 """PyTorch CSV layout: our programs round-trip, load in PyTorch, and PyTorch's load in ours."""
 
 import pytest
-from pytorch_peer import load_csv_lowered
+from helpers.pytorch_peer import load_csv_lowered
 
 import zbpipe
 from zbpipe import Program, ScheduleError

@@ -11,7 +11,7 @@ import sys
 import pytest
 
 import zbpipe
-from _subprocess_env import NEUTRAL_CWD, child_env
+from helpers.subprocess_env import NEUTRAL_CWD, child_env
 from zbpipe import _C
 
 

@@ -4,7 +4,7 @@ and on random single mutations it agrees with zbpipe.validate."""
 import random
 
 import pytest
-from program_checker import ProgramError, check, check_program
+from helpers.program_checker import ProgramError, check, check_program
 
 import zbpipe
 

@@ -1,12 +1,12 @@
 """Every program the builders emit, byte for byte: the to_csv text of each schedule over a
 grid of pp, microbatch counts, stages per rank and costs, compared with the digests recorded in
-tests/golden/programs.json.
+tests/core/golden/programs.json.
 
 A refactor of the core (lowering, validation, the list scheduler) must leave this test passing
 unchanged. A change that alters programs on purpose regenerates the file and says so in its
 commit:
 
-    PYTHONPATH=. python tests/test_program_golden.py --write
+    PYTHONPATH=. python tests/core/test_program_golden.py --write
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import json
 import pathlib
 import sys
 
-import zbpipe
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # tests/, when run as a script
+from helpers.schedule_registry import RULES  # noqa: E402  (the legal sizes of every schedule)
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
-from test_schedule_grid import RULES  # noqa: E402  (the legal sizes of every schedule)
+import zbpipe  # noqa: E402
 
 GOLDEN = pathlib.Path(__file__).parent / "golden" / "programs.json"
 PPS = (1, 2, 3, 4, 6, 8)
@@ -55,14 +55,14 @@ def test_every_program_is_byte_identical_to_the_recorded_one():
     added = sorted(set(now) - set(recorded))
     changed = sorted(k for k in set(now) & set(recorded) if now[k] != recorded[k])
     assert not (missing or added or changed), (
-        f"programs differ from tests/golden/programs.json: changed {changed[:12]} "
+        f"programs differ from tests/core/golden/programs.json: changed {changed[:12]} "
         f"({len(changed)} in all), new cells {added[:6]}, cells gone {missing[:6]}. "
-        f"If the change is intended, regenerate: PYTHONPATH=. python tests/test_program_golden.py --write")
+        f"If the change is intended, regenerate: PYTHONPATH=. python tests/core/test_program_golden.py --write")
 
 
 if __name__ == "__main__":
     if sys.argv[1:] != ["--write"]:
-        sys.exit("usage: PYTHONPATH=. python tests/test_program_golden.py --write")
+        sys.exit("usage: PYTHONPATH=. python tests/core/test_program_golden.py --write")
     GOLDEN.parent.mkdir(exist_ok=True)
     d = digests()
     GOLDEN.write_text(json.dumps(d, indent=0, sort_keys=True) + "\n")

@@ -1,81 +1,18 @@
 """Every registered schedule over pp = 1..16 and several microbatch counts: legal sizes compile
 to programs the independent checker accepts; illegal ones raise ScheduleError naming the rule.
 
-The legal sizes of each schedule live in RULES; a schedule registered without a rule fails
-test_every_schedule_has_a_rule (add its rule here when you add a builder)."""
+The legal sizes of each schedule live in helpers/schedule_registry.py RULES; a schedule
+registered without a rule fails test_every_schedule_has_a_rule (add its rule there when you add
+a builder)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import pytest
-from program_checker import check
+from helpers.program_checker import check
+from helpers.schedule_registry import NAMES, RULES, rule_of, topology
 
 import zbpipe
 from zbpipe import ScheduleError
-
-
-@dataclass(frozen=True)
-class Rule:
-    topology: str = "loop"           # "loop": stage s on rank s % pp; "v": down then back up
-    fixed_spr: int = 0               # > 0: stages_per_rank the schedule fixes
-    min_spr: int = 1                 # otherwise: the smallest legal stages_per_rank ...
-    default_spr: int = 1             # ... and the default one
-    rounds: bool = False             # PyTorch's interleaved rule: m % max(1, m // pp) == 0
-    min_mb_per_pp: int = 0           # m >= min_mb_per_pp * pp
-    forward_only: bool = False
-    extra_illegal: tuple = field(default=())  # (kwargs, message fragment)
-
-    def spr_values(self):
-        # None exercises the default; then the minimum (when it differs) and a larger value.
-        return [None] if self.fixed_spr else [None] + sorted({self.min_spr, 3} - {self.default_spr})
-
-    def spr(self, given):
-        return self.fixed_spr or given or self.default_spr
-
-    def legal_mb(self, pp, m):
-        if self.rounds and m % max(1, m // pp):
-            return False
-        return m >= max(1, self.min_mb_per_pp * pp)
-
-    def microbatch_counts(self, pp):
-        """The smallest legal count, an odd legal one, and a large one."""
-        smallest = next(m for m in range(1, 64 * pp) if self.legal_mb(pp, m))
-        odd = next(m for m in range(2 * pp - 1, 64 * pp, 2) if self.legal_mb(pp, m))
-        large = next(m for m in range(4 * pp, 64 * pp) if self.legal_mb(pp, m))
-        return sorted({smallest, odd, large})
-
-
-ONE = dict(fixed_spr=1)
-V2 = dict(topology="v", fixed_spr=2)
-RULES = {
-    "inference": Rule(**ONE, forward_only=True),
-    "gpipe": Rule(**ONE),
-    "1f1b": Rule(**ONE),
-    "looped_bfs": Rule(min_spr=1, default_spr=2),
-    "interleaved_1f1b": Rule(min_spr=1, default_spr=2, rounds=True),
-    "interleaved_zb": Rule(min_spr=1, default_spr=2, rounds=True),
-    "zb_h1": Rule(**ONE),
-    "zb_h2": Rule(**ONE),
-    "zbv": Rule(**V2),
-    "dualpipev": Rule(**V2, min_mb_per_pp=2),
-    "zb_auto": Rule(**ONE, extra_illegal=((dict(pp=2, microbatches=4, memory_cap=-1), "memory_cap"),)),
-    "v_half": Rule(**V2),
-    "v_min": Rule(**V2),
-}
-NAMES = zbpipe.schedule_names()
-
-
-def rule_of(name) -> Rule:
-    if name not in RULES:
-        pytest.fail(f"schedule '{name}' is registered but has no legal-size rule in "
-                    f"tests/test_schedule_grid.py RULES: add one")
-    return RULES[name]
-
-
-def topology(style, pp, n_stages):
-    return [s % pp if style == "loop" or (s // pp) % 2 == 0 else pp - 1 - s % pp
-            for s in range(n_stages)]
 
 
 def test_every_schedule_has_a_rule():

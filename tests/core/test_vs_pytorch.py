@@ -67,7 +67,7 @@ def test_interleaved_one_stage_per_rank_same_order(schedule, name):
     # torch's interleaved classes take one stage per rank (its single-stage tests run them); its
     # visualizer refuses that, so build the classes on mock stages directly.
     import torch.distributed.pipelining as tp
-    from pytorch_peer import mock_stages
+    from helpers.pytorch_peer import mock_stages
 
     logging.disable(logging.WARNING)
     try:

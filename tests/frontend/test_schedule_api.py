@@ -5,7 +5,7 @@ training again), PipelineStage(dw_builder=), register_custom_function (torch's c
 arguments, F and OVERLAP_F_B, bad callbacks), the stages' group check, uneven stage layouts
 through from_program, interleaved schedules with one stage per rank, torch's base-class names.
 
-Every multi-process case runs in ONE spawned Gloo world of 2 ranks; each case is a test.
+Every multi-process case is a test in the module's one spawned Gloo world of 2 ranks.
 """
 
 from __future__ import annotations
@@ -18,25 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from helpers.asserts import assert_close, assert_grads_close
+from helpers.model_registry import build, call_chain, data
+
 import zbpipe
-from _models import build, call_chain, data
-from _pp_world import run_world
-
-RTOL, ATOL = 1e-4, 1e-6
 
 
-def _close(a, b) -> bool:
-    if a is None or b is None:
-        return a is None and b is None
-    return torch.allclose(a, b, rtol=RTOL, atol=ATOL)
-
-
-def _grads_match(mods, ref, mine) -> str | None:
-    for s in mine:
-        for (n, p), q in zip(mods[s].named_parameters(), ref[s].parameters()):
-            if not _close(p.grad, q.grad):
-                return f"stage {s} {n}: grad differs"
-    return None
+def _grads_match(mods, ref, mine, msg="") -> None:
+    assert_grads_close([mods[s] for s in mine], [ref[s] for s in mine], msg=msg)
 
 
 def _ref(model, num_stages, x, y, loss=F.mse_loss, **kwargs):
@@ -53,7 +42,7 @@ def _run(sched, rank, pp, x, y, num_stages, mine, **kw):
     return sched.step(*args, target=y if num_stages - 1 in mine else None, **kw)
 
 
-# ---- cases: each returns None (pass) or a failure description --------------------------------
+# ---- cases: each runs on every rank; an AssertionError fails the test ---------------------------
 
 def case_loss_kwargs(rank, pp):
     x, y = data("mlp", 8)
@@ -67,9 +56,8 @@ def case_loss_kwargs(rank, pp):
     _run(sched, rank, pp, x, y, pp, [rank], losses=losses, loss_kwargs={"weight": 3.0})
     if rank == pp - 1:
         want = [3.0 * F.mse_loss(o, t) for o, t in zip(call_chain(build("mlp", pp), x).chunk(4), y.chunk(4))]
-        if len(losses) != 4 or not all(_close(a, b.detach()) for a, b in zip(losses, want)):
-            return f"losses {losses} != {want}"
-    return _grads_match(mods, ref, [rank])
+        assert_close(losses, [w.detach() for w in want])
+    _grads_match(mods, ref, [rank])
 
 
 def case_return_outputs_false(rank, pp):
@@ -85,11 +73,10 @@ def case_return_outputs_false(rank, pp):
     sched = zbpipe.ScheduleZBH1(stage, 4, loss_fn=loss_fn, timeout=20)
     losses = []
     out = _run(sched, rank, pp, x, y, pp, [rank], losses=losses, return_outputs=False)
-    if out is not None:
-        return f"step(return_outputs=False) returned {type(out).__name__}"
-    if rank == pp - 1 and (len(losses) != 4 or kept != [0, 0, 0, 0]):
-        return f"{len(losses)} losses; outputs held at each loss: {kept}"
-    return _grads_match(mods, ref, [rank])
+    assert out is None, f"step(return_outputs=False) returned {type(out).__name__}"
+    if rank == pp - 1:
+        assert len(losses) == 4 and kept == [0, 0, 0, 0], f"{len(losses)} losses; outputs held at each loss: {kept}"
+    _grads_match(mods, ref, [rank])
 
 
 def case_losses_cleared_and_refilled(rank, pp):
@@ -102,27 +89,21 @@ def case_losses_cleared_and_refilled(rank, pp):
         _run(sched, rank, pp, x, y, pp, [rank], losses=losses)
         first = first or list(losses)
     if rank == pp - 1:
-        if len(losses) != 4 or any(float(l) == 123.0 for l in losses):
-            return f"after two steps losses has {len(losses)} entries: {losses}"
-    elif len(losses) != 1:
-        return "a rank without the last stage touched losses"
-    return None
+        assert len(losses) == 4 and not any(float(l) == 123.0 for l in losses), \
+            f"after two steps losses has {len(losses)} entries: {losses}"
+    else:
+        assert len(losses) == 1, "a rank without the last stage touched losses"
 
 
 def case_no_grad_step_raises(rank, pp):
     x, y = data("mlp", 8)
     mods, ref, _ = _ref("mlp", pp, x, y)
     sched = zbpipe.Schedule1F1B(zbpipe.PipelineStage(mods[rank], rank, pp, "cpu"), 4, loss_fn=F.mse_loss, timeout=20)
-    try:
-        with torch.no_grad():
-            _run(sched, rank, pp, x, y, pp, [rank])
-        return "step under torch.no_grad() with a loss_fn did not raise"
-    except RuntimeError as e:
-        if "eval()" not in str(e):
-            return f"unexpected message: {e}"
+    with pytest.raises(RuntimeError, match=r"eval\(\)"), torch.no_grad():
+        _run(sched, rank, pp, x, y, pp, [rank])
     # Nothing ran: the schedule is still usable and its gradients are exact.
     _run(sched, rank, pp, x, y, pp, [rank])
-    return _grads_match(mods, ref, [rank])
+    _grads_match(mods, ref, [rank])
 
 
 def case_eval_then_train(rank, pp):
@@ -143,25 +124,18 @@ def case_eval_then_train(rank, pp):
         tgt = y if n_st - 1 in mine else None
         with torch.no_grad() if rank == 0 else torch.enable_grad():  # with and without no_grad
             out = sched.eval(*args, target=tgt, losses=losses)
-        if any(p.grad is not None for s in mine for p in mods[s].parameters()):
-            return f"{name}: eval() computed gradients"
+        assert not any(p.grad is not None for s in mine for p in mods[s].parameters()), \
+            f"{name}: eval() computed gradients"
         if n_st - 1 in mine:
-            if not _close(out, ref_out):
-                return f"{name}: eval() output differs from the forward"
+            assert_close(out, ref_out, msg=f"{name}: eval() output differs from the forward")
             want = [F.mse_loss(o, t) for o, t in zip(ref_out.chunk(4), y.chunk(4))]
-            if len(losses) != 4 or not all(_close(a, b) for a, b in zip(losses, want)):
-                return f"{name}: eval() losses {losses}"
-            if sched.eval(*args, return_outputs=False) is not None:
-                return f"{name}: eval(return_outputs=False) returned an output"
+            assert_close(losses, want, msg=f"{name}: eval() losses")
+            assert sched.eval(*args, return_outputs=False) is None, f"{name}: eval(return_outputs=False) returned an output"
         else:
-            if out is not None:
-                return f"{name}: eval() returned an output off the last stage"
+            assert out is None, f"{name}: eval() returned an output off the last stage"
             sched.eval(*args, return_outputs=False)
         _run(sched, rank, pp, x, y, n_st, mine)
-        bad = _grads_match(mods, ref, mine)
-        if bad:
-            return f"{name} after eval: {bad}"
-    return None
+        _grads_match(mods, ref, mine, msg=f"{name} after eval")
 
 
 class _SelfGradLinear(torch.autograd.Function):
@@ -229,16 +203,10 @@ def case_dw_builder(rank, pp):
         for act in sched.program.rank_actions(rank):
             want += {zbpipe.Kind.I: ["backward", "build"], zbpipe.Kind.B: ["backward", "build", "W"],
                      zbpipe.Kind.W: ["W"]}.get(act.kind, [])
-        if log != want or log.count("W") != 4:
-            return f"{name}: events {log}, program order wants {want}"
-        bad = _grads_match(mods, ref, [rank])
-        if bad:
-            return f"{name}: {bad}"
-    try:
+        assert log == want and log.count("W") == 4, f"{name}: events {log}, program order wants {want}"
+        _grads_match(mods, ref, [rank], msg=name)
+    with pytest.raises(ValueError):  # dw_builder with deferred_linear
         zbpipe.PipelineStage(mods[rank], rank, pp, "cpu", dw_builder=builder, deferred_linear=True)
-        return "dw_builder with deferred_linear was accepted"
-    except ValueError:
-        return None
 
 
 def case_custom_function(rank, pp):
@@ -274,13 +242,12 @@ def case_custom_function(rank, pp):
     acts = [a for a in prog.rank_actions(rank) if a.is_compute]
     want_f = [(a.stage, a.microbatch) for a in acts if a.kind == zbpipe.Kind.F]
     want_o = [str(a) for a in acts if a.kind == zbpipe.Kind.OVERLAP_F_B]
-    if fwd != want_f or overlap != want_o or not want_o:
-        return f"callbacks saw F {fwd} (want {want_f}), OVERLAP_F_B {overlap} (want {want_o})"
-    if not all(seen_ctx):
-        return "ctx fields differ from torch's _PipelineContext"
-    if n_st - 1 in mine and not _close(out, ref_out):
-        return "output differs"
-    return _grads_match(mods, ref, mine)
+    assert fwd == want_f and overlap == want_o and want_o, \
+        f"callbacks saw F {fwd} (want {want_f}), OVERLAP_F_B {overlap} (want {want_o})"
+    assert all(seen_ctx), "ctx fields differ from torch's _PipelineContext"
+    if n_st - 1 in mine:
+        assert_close(out, ref_out)
+    _grads_match(mods, ref, mine)
 
 
 def case_custom_function_errors(rank, pp, own_group):
@@ -328,7 +295,7 @@ def case_custom_function_errors(rank, pp, own_group):
             problems.append(f"kind {bad} accepted")
         except ValueError:
             pass
-    return "; ".join(problems) or None
+    assert not problems, "; ".join(problems)
 
 
 def case_group_check(rank, pp, other_group):
@@ -336,11 +303,8 @@ def case_group_check(rank, pp, other_group):
     mods = build("mlp", 2 * pp)
     a = zbpipe.PipelineStage(mods[rank], rank, 2 * pp, "cpu")
     b = zbpipe.PipelineStage(mods[rank + pp], rank + pp, 2 * pp, "cpu", group=other_group)
-    try:
+    with pytest.raises(ValueError, match="share one process group"):
         zbpipe.ScheduleInterleaved1F1B([a, b], 4, loss_fn=F.mse_loss)
-        return "stages on two groups of equal size were accepted"
-    except ValueError as e:
-        return None if "share one process group" in str(e) else str(e)
 
 
 def case_uneven_from_program(rank, pp):
@@ -356,9 +320,9 @@ def case_uneven_from_program(rank, pp):
     sched = zbpipe.PipelineScheduleMulti.from_program(
         [zbpipe.PipelineStage(mods[s], s, 5, "cpu") for s in mine], prog, loss_fn=F.mse_loss, timeout=20)
     out = sched.step(*((x,) if rank == 0 else ()), target=y if rank == 0 else None)
-    if rank == 0 and not _close(out, ref_out):
-        return "output differs"
-    return _grads_match(mods, ref, mine)
+    if rank == 0:
+        assert_close(out, ref_out)
+    _grads_match(mods, ref, mine)
 
 
 def case_interleaved_one_stage_per_rank(rank, pp):
@@ -367,59 +331,32 @@ def case_interleaved_one_stage_per_rank(rank, pp):
         mods, ref, _ = _ref("mlp", pp, x, y)
         sched = cls([zbpipe.PipelineStage(mods[rank], rank, pp, "cpu")], 4, loss_fn=F.mse_loss, timeout=20)
         _run(sched, rank, pp, x, y, pp, [rank])
-        bad = _grads_match(mods, ref, [rank])
-        if bad:
-            return f"{cls.__name__}: {bad}"
-    return None
+        _grads_match(mods, ref, [rank], msg=cls.__name__)
 
 
-CASES = {
-    "loss_kwargs": case_loss_kwargs,
-    "return_outputs_false": case_return_outputs_false,
-    "losses_cleared_and_refilled": case_losses_cleared_and_refilled,
-    "no_grad_step_raises": case_no_grad_step_raises,
-    "eval_then_train": case_eval_then_train,
-    "dw_builder": case_dw_builder,
-    "custom_function": case_custom_function,
-    "group_check": case_group_check,
-    "uneven_from_program": case_uneven_from_program,
-    "interleaved_one_stage_per_rank": case_interleaved_one_stage_per_rank,
-    "custom_function_errors": case_custom_function_errors,
-}
+CASES = [case_loss_kwargs, case_return_outputs_false, case_losses_cleared_and_refilled, case_no_grad_step_raises,
+         case_eval_then_train, case_dw_builder, case_custom_function, case_group_check, case_uneven_from_program,
+         case_interleaved_one_stage_per_rank, case_custom_function_errors]
 
 
-def _world(rank, pp):
-    import traceback
-
+def _case(rank, pp, name):
+    """Runs the case on this rank, with the groups it needs (every rank creates every group,
+    in the same order: c10d's rule)."""
     import torch.distributed as dist
 
-    # Every rank creates every group, in the same order (c10d's rule).
-    other = dist.new_group(list(range(pp)))
-    singles = [dist.new_group([r]) for r in range(pp)]
-    results = {}
-    for name, fn in CASES.items():
-        extra = {"group_check": (other,), "custom_function_errors": (singles[rank],)}.get(name, ())
-        try:
-            results[name] = fn(rank, pp, *extra)
-        except Exception:  # noqa: BLE001 - reported per case
-            results[name] = traceback.format_exc()
-        dist.barrier()
-    return results
+    fn = globals()[name]
+    if name == "case_group_check":
+        fn(rank, pp, dist.new_group(list(range(pp))))
+    elif name == "case_custom_function_errors":
+        fn(rank, pp, [dist.new_group([r]) for r in range(pp)][rank])
+    else:
+        fn(rank, pp)
+    return name
 
 
-@pytest.fixture(scope="module")
-def world():
-    results, codes, leftover = run_world(2, _world, timeout=240)
-    assert not leftover and sorted(results) == [0, 1], (results, codes)
-    for r in results.values():
-        assert "error" not in r, r.get("error")
-    return results
-
-
-@pytest.mark.parametrize("case", list(CASES))
-def test_case(world, case):
-    failures = {r: res[case] for r, res in world.items() if res[case] is not None}
-    assert not failures, failures
+@pytest.mark.parametrize("case", [c.__name__ for c in CASES], ids=lambda n: n.removeprefix("case_"))
+def test_case(spawn_world, case):
+    assert spawn_world(2).run(_case, case, timeout_s=240) == [case, case]
 
 
 def test_base_class_names_resolve_as_torchs():

@@ -14,28 +14,30 @@ Sources (read, not copied; models and schedules rewritten here):
 - d9d test/d9d_test/pipelining/test_e2e.py: dict inputs/outputs, a frozen weight, gradient
   hooks, 8 schedule configurations x 6 microbatch counts x 2 (world 4).
 
-Each source case is one pytest case; the cases of one world run inside ONE spawned world.
+Each source case is one pytest case; the cases of one world size share one spawned world.
+Every comparison uses the suite's one tolerance (helpers/asserts.py), not the sources' own.
 Not ported: torch's check_leaked_tensors (its test utilities need expecttest; zbpipe's memory
 tests cover what a step holds), torch.compile refusal for zero-bubble schedules (zbpipe does not
-refuse), and torch's _PipelineScheduleRuntime/CSV round trip (tests/test_csv_interop.py).
+refuse), and torch's _PipelineScheduleRuntime/CSV round trip (tests/core/test_csv_interop.py).
 """
 
 from __future__ import annotations
 
 import copy
-import traceback
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from helpers.asserts import assert_close as close
+from helpers.asserts import assert_grads_close
+from helpers.model_registry import DualPipeLinearFunc
+from helpers.schedule_registry import rank_schedule
 from torch import nn
 
 import zbpipe
-from _pp_world import run_world
 
 D_HID, BATCH = 32, 32
-close = torch.testing.assert_close
 
 
 # ---- models (after model_registry.py) ----------------------------------------------------------
@@ -188,12 +190,12 @@ def reference(ref, x, target, loss_fn, iters=2, **kwargs):
     return out.detach(), loss.detach()
 
 
-def check_grads(ref, subs, names=None, rtol=1e-5, atol=4e-5):
+def check_grads(ref, subs, names=None):
     """Traced stages keep the root model's parameter names; manual ones are `layers.i`."""
     for i, sub in enumerate(subs):
-        for n, p in sub.named_parameters():
-            q = ref.get_parameter(n) if names is None else ref.get_submodule(names[i]).get_parameter(n)
-            close(p.grad, q.grad, rtol=rtol, atol=atol)
+        theirs = ref if names is None else ref.get_submodule(names[i])
+        mine = dict(sub.named_parameters())
+        assert_grads_close(mine, {n: theirs.get_parameter(n) for n in mine}, msg=names[i] if names else "")
 
 
 def zero(subs):
@@ -301,7 +303,7 @@ def t_kwargs_with_tracer(rank, world, name):
     dist.barrier()
     if rank == world - 1:
         ref_out = mod(x, y=y)
-        close(out, ref_out, rtol=1e-2, atol=5e-3)
+        close(out, ref_out)
         close(sum(losses), loss_fn(ref_out, target))
 
 
@@ -345,7 +347,7 @@ def t_grad_with_manual_interleaved(rank, world, name):
     if rank == world - 1:
         close(out, ref_out)
         close(sum(losses), ref_loss)
-    check_grads(ref, subs, names, rtol=5e-3, atol=5e-3)
+    check_grads(ref, subs, names)
 
 
 def t_schedule_with_weight_update_mlp_e2e(rank, world):
@@ -448,7 +450,7 @@ def t_zero_bubble_with_model_kwargs(rank, world, name):
     if rank == world - 1:
         close(out, ref_out)
         close(sum(losses), ref_loss)
-    check_grads(ref, subs, names, rtol=3e-5, atol=5e-3)
+    check_grads(ref, subs, names)
 
 
 class SkipModel(nn.Module):
@@ -551,6 +553,10 @@ D9D_CONFIGS = {  # d9d's schedule configuration -> (zbpipe schedule, stages per 
 D9D_MICROBATCHES = (1, 2, 4, 8, 16, 32)
 
 
+def _d9d_loss(out, _target):
+    return out["x"].sum()
+
+
 def t_d9d_e2e(rank, world, config, n_mb, freeze_w1):
     name, spr = D9D_CONFIGS[config]
     n_stages = spr * world
@@ -575,22 +581,14 @@ def t_d9d_e2e(rank, world, config, n_mb, freeze_w1):
             if p.requires_grad:
                 p.register_post_accumulate_grad_hook(lambda _p, k=k, c=c: c.__setitem__(k, c[k] + 1))
         counts.append(c)
-    prog = zbpipe.compile(name, world, n_mb, spr)
-    mine = [s for s in range(n_stages) if prog.stage_to_rank[s] == rank]
-    stages = [zbpipe.PipelineStage(mods[s], s, n_stages, "cpu") for s in mine]
-    sched = zbpipe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], n_mb,
-                                            loss_fn=lambda out, _t: out["x"].sum(), scale_grads=False)
+    sched, mine = rank_schedule(name, mods, rank, world, n_mb, stages_per_rank=spr, loss_fn=_d9d_loss,
+                                scale_grads=False)
     sched.step(*((x,) if 0 in mine else ()), target=torch.zeros(128) if n_stages - 1 in mine else None, y=y)
     assert x.grad is None and y.grad is None
     for s in range(n_stages):
         m, c = mods[s], counts[s]
         if s in mine:
-            for k, p in m.named_parameters():
-                want = snapshot[s][k]
-                if want is None:
-                    assert p.grad is None, (s, k)
-                else:
-                    assert torch.allclose(p.grad, want, rtol=1e-3), (s, k)
+            close({k: p.grad for k, p in m.named_parameters()}, snapshot[s], msg=f"stage {s}")
             assert c == {"w1": 0 if freeze_w1 else n_mb, "w2": n_mb, "w3": n_mb}, (s, c)
         else:
             assert all(p.grad is None for p in m.parameters()) and c == {"w1": 0, "w2": 0, "w3": 0}
@@ -655,27 +653,9 @@ def t_schedule_with_native_zero_bubble(rank, world, name):
     _custom_schedule(rank, name, steps=4, accumulate=True)
 
 
-class _DualPipeLinearFn(torch.autograd.Function):
-    """example_dualpipev's LinearFunc (its WeightGradStore disabled, the default): the weight
-    gradient is added to weight.grad inside backward, and None is returned for the weight."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, g):
-        x, weight = ctx.saved_tensors
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        weight.grad += g.flatten(0, -2).T @ x.flatten(0, -2)
-        return g @ weight, None
-
-
 class _DualPipeLinear(nn.Linear):
     def forward(self, x):
-        return _DualPipeLinearFn.apply(x, self.weight)
+        return DualPipeLinearFunc.apply(x, self.weight)
 
 
 class DualPipeStage(nn.Module):
@@ -805,68 +785,36 @@ for _n in SINGLE_STAGE:
 
 # ---- running the worlds ---------------------------------------------------------------------
 
-def _world(rank, world, table_names):
-    results = {}
-    for table_name in table_names:
-        for case, (fn, args) in globals()[table_name].items():
-            try:
-                res = fn(rank, world, *args)
-                results[case] = "skip" if res == "skip" else None
-            except Exception:  # noqa: BLE001 - reported per case
-                results[case] = traceback.format_exc()
-            dist.barrier()
-    return results
+def _case(rank, world, table, case):
+    fn, args = globals()[table][case]
+    return fn(rank, world, *args)
 
 
-def _results(world, tables, timeout):
-    results, codes, leftover = run_world(world, _world, tables, timeout=timeout)
-    assert not leftover and sorted(results) == list(range(world)), (results, codes)
-    for r in results.values():
-        assert "error" not in r, r.get("error")
-    return results
-
-
-@pytest.fixture(scope="module")
-def world4():
-    return _results(4, ["WORLD4", "D9D"], timeout=600)
-
-
-@pytest.fixture(scope="module")
-def world2():
-    return _results(2, ["WORLD2"], timeout=300)
-
-
-@pytest.fixture(scope="module")
-def world1():
-    return _results(1, ["WORLD1"], timeout=120)
-
-
-def _check(results, case):
-    verdicts = {r: res[case] for r, res in results.items()}
-    if all(v == "skip" for v in verdicts.values()):
+def _check(world, table, case):
+    verdicts = world.run(_case, table, case, timeout_s=300)
+    if all(v == "skip" for v in verdicts):
         pytest.skip("the source test skips this configuration")
-    failures = {r: v for r, v in verdicts.items() if v not in (None, "skip")}
-    assert not failures, failures
+    assert verdicts == [None] * world.size, verdicts
 
 
 @pytest.mark.parametrize("case", list(WORLD4))
-def test_schedule_multiproc(world4, case):
-    _check(world4, case)
+def test_schedule_multiproc(spawn_world, case):
+    _check(spawn_world(4), "WORLD4", case)
 
 
 @pytest.mark.parametrize("case", list(D9D))
-def test_d9d_e2e(world4, case):
-    _check(world4, case)
+def test_d9d_e2e(spawn_world, case):
+    _check(spawn_world(4), "D9D", case)
 
 
 @pytest.mark.parametrize("case", list(WORLD2))
-def test_custom_schedules_and_dualpipev(world2, case):
-    _check(world2, case)
+def test_custom_schedules_and_dualpipev(spawn_world, case):
+    _check(spawn_world(2), "WORLD2", case)
 
 
 @pytest.mark.parametrize("case", list(WORLD1))
-def test_schedule_single_process(world1, case):
-    _check(world1, case)
+def test_schedule_single_process(spawn_world, case):
+    _check(spawn_world(1), "WORLD1", case)
 
 
 def test_get_schedule_class():

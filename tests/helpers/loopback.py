@@ -1,6 +1,6 @@
 """Runs a schedule's real step on every rank of an in-process loopback world (zbpipe._C.
 _LoopbackWorld, one thread per rank) with NCCL's posting discipline (stream_ordered=True),
-and returns what each rank posted and waited for, for tests/nccl_model.py.
+and returns what each rank posted and waited for, for helpers/nccl_model.py.
 
 Boundaries: "one" sends one float tensor per message; "multi" three tensors of different
 sizes, one of them integer (so gradient messages carry two).
@@ -17,6 +17,8 @@ import torch.nn.functional as F
 
 import zbpipe
 from zbpipe import _C
+
+from .asserts import assert_grads_close
 
 WIDTH = 4
 
@@ -106,8 +108,5 @@ def record(name: str, pp: int, microbatches: int, boundary: str = "one", *, prog
         for i, mod in enumerate(ref):
             out = mod(*out) if isinstance(out, tuple) else mod(out)
         loss_fn(out, y).backward()
-        for s, (mine, theirs) in enumerate(zip(mods, ref)):
-            for (pname, p), q in zip(mine.named_parameters(), theirs.parameters()):
-                assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), (
-                    f"{prog.schedule} pp={pp} m={microbatches} {boundary}: stage {s} grad of {pname} differs")
+        assert_grads_close(mods, ref, msg=f"{prog.schedule} pp={pp} m={microbatches} {boundary}:")
     return {r: world.events(r) for r in range(pp)}

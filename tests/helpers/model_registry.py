@@ -1,10 +1,14 @@
 """Small deterministic models for the runtime tests, built as one module per pipeline stage.
 
 Every rank builds all stages from the same seed, so each can run the single-process reference
-itself and compare with the pipelined step of its own stages.
+itself and compare with the pipelined step of its own stages. Also the stages that misbehave on
+purpose (FaultyLinear) and DualPipe's weight-gradient-in-backward Linear, which several files use.
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import torch
 import torch.nn as nn
@@ -116,3 +120,44 @@ def data(name: str, batch: int, seed: int = 1):
     shape = MODELS[name][1]
     g = torch.Generator().manual_seed(seed)
     return torch.randn(batch, *shape, generator=g), torch.randn(batch, *shape, generator=g)
+
+
+class FaultyLinear(nn.Module):
+    """nn.Linear(8, 8) that misbehaves at its n-th training forward (1-based; the handshake's
+    no-grad shape run does not count): raises (fail_at), sleeps 4 s (sleep_at), returns half
+    its width (shrink_at), or ends its process with code 3 (die_at)."""
+
+    def __init__(self, fail_at=None, shrink_at=None, sleep_at=None, die_at=None):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.calls = 0
+        self.fail_at, self.shrink_at, self.sleep_at, self.die_at = fail_at, shrink_at, sleep_at, die_at
+
+    def forward(self, x):
+        self.calls += torch.is_grad_enabled()
+        if self.calls == self.fail_at:
+            raise ValueError("boom from inside the stage")
+        if self.calls == self.die_at:
+            os._exit(3)
+        if self.calls == self.sleep_at:
+            time.sleep(4.0)
+        y = self.lin(x)
+        return y[:, :4] if self.calls == self.shrink_at else y
+
+
+class DualPipeLinearFunc(torch.autograd.Function):
+    """DualPipe's examples/example_dualpipev.py LinearFunc (its WeightGradStore disabled, the
+    default): adds dW to weight.grad inside its own backward and returns None for the weight."""
+
+    @staticmethod
+    def forward(ctx, x, weight):
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight)
+
+    @staticmethod
+    def backward(ctx, gy):
+        x, weight = ctx.saved_tensors
+        if weight.grad is None:
+            weight.grad = torch.zeros_like(weight)
+        weight.grad += gy.flatten(0, -2).T @ x.flatten(0, -2)
+        return gy @ weight, None

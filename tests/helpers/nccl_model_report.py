@@ -4,7 +4,7 @@ several ops coalesced, as a tag-matched group still posts), for every schedule, 
 {2, 3, 4, 8}, microbatches in {pp, 2pp, 3pp} where valid, one- and multi-tensor boundaries;
 "lazy" communicators are created at first use, "device_id" ones eagerly.
 
-    PYTHONPATH=. python tests/nccl_model_report.py
+    PYTHONPATH=. python tests/helpers/nccl_model_report.py
 """
 
 from __future__ import annotations
@@ -13,13 +13,13 @@ import collections
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the helpers package
 
 import torch  # noqa: E402
 
 import zbpipe  # noqa: E402
-from _loopback_run import record  # noqa: E402
-from nccl_model import check  # noqa: E402
+from helpers.loopback import record  # noqa: E402
+from helpers.nccl_model import check  # noqa: E402
 
 
 def main() -> None:

@@ -1,10 +1,12 @@
 """Environment for tests that run zbpipe in a child process: the child must import the same
 zbpipe this test process imported (the installed package in CI, a developer's PYTHONPATH=.
-tree with its built _C), from a neutral folder so a source tree without _C cannot shadow it."""
+tree with its built _C), from a neutral folder so a source tree without _C cannot shadow it;
+and a free port for a child that rendezvous over TCP."""
 
 from __future__ import annotations
 
 import os
+import socket
 import tempfile
 from pathlib import Path
 
@@ -17,3 +19,10 @@ def child_env() -> dict:
 
 
 NEUTRAL_CWD = tempfile.gettempdir()
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for a child that rendezvous through MASTER_PORT."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

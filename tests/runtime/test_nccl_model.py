@@ -1,8 +1,8 @@
 """What zbpipe posts on NCCL deadlocks under none of NCCL's rules, proven without a GPU.
 
-The executor runs real steps on an in-process loopback world (tests/_loopback_run.py) with
+The executor runs real steps on an in-process loopback world (helpers/loopback.py) with
 NCCL's posting discipline; the world records every post, wait and poll per rank, and
-tests/nccl_model.py replays the records under NCCL's rules (communicator choice, one stream per
+helpers/nccl_model.py replays the records under NCCL's rules (communicator choice, one stream per
 communicator, rendezvous sends, issue-order matching). Every schedule, pp in {2, 3, 4, 8}, a
 microbatch grid and one- and multi-tensor boundaries must finish with every message matched in
 peer and size, with and without eager communicator init (and, for pp <= 3, with gradients
@@ -13,14 +13,15 @@ rendezvous validator (zbpipe._C.validate(..., rendezvous=True)) must agree with 
 
 from __future__ import annotations
 
+from collections import defaultdict
+
 import pytest
 import torch
-from collections import defaultdict
+from helpers.loopback import record
+from helpers.nccl_model import check
 
 import zbpipe
 from zbpipe import _C
-from _loopback_run import record
-from nccl_model import check
 
 HANDSHAKE_TAG = 1 << 30  # wire tags at or above: the one-time signature handshake
 

@@ -16,9 +16,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from helpers.asserts import assert_grads_close
+from helpers.loopback import run_threads
+
 import zbpipe
 from zbpipe import _C
-from _loopback_run import run_threads
 
 UNIT = re.compile(r"^\((\d+)F(\d+);(\d+)[BI](\d+)\)OVERLAP_F_B$")
 MEET_S = 3.0
@@ -99,9 +101,7 @@ def test_halves_run_at_the_same_time_and_gradients_stay_exact():
     torch.set_num_threads(1)
     prog, units, met, mods, ref, trace = _one_rank_step(overlap=True)
     assert len(met) == 2 * len(units), met
-    for mine, theirs in zip(mods, ref):
-        for (name, p), q in zip(mine.named_parameters(), theirs.parameters()):
-            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7, msg=name)
+    assert_grads_close(mods, ref)
     # The trace: per unit, the backward half's interval and the forward half's overlap.
     for f_stage, f_mb, b_stage, b_mb in units:
         f = next(r for r in trace if r["action"] == f"{f_stage}F{f_mb}")

@@ -6,35 +6,48 @@ replicas of a stage hold the same gradients. Schedules 1f1b, zb_h1 (split I/W), 
 stages per rank) and interleaved_zb (loop, two stages per rank), plus the deferred_linear
 option on the split schedules.
 
-All configurations run inside ONE spawned world of 4 ranks (2 CPU cores in CI).
+One case per configuration; all run in the module's one spawned world of 4 ranks.
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+from helpers.asserts import assert_grads_close
+from helpers.model_registry import MODELS, build, call_chain, data
+from helpers.schedule_registry import rank_schedule
 
-from _models import MODELS, build, call_chain, data
-from _pp_world import run_world
+import zbpipe
 
 PP, DP = 2, 2
-RTOL, ATOL = 1e-4, 1e-6
 SCHEDULES = [("1f1b", False), ("zb_h1", False), ("zbv", False), ("interleaved_zb", False),
              ("zb_h1", True), ("zbv", True)]
 M = 4  # microbatches per replica per step
+_STATE: dict = {}  # per rank process: the device mesh and the reshard counter, made once
 
 
-def _config(zbpipe, mesh, rank, name, deferred, wrapper):
-    """One configuration; returns (max abs gradient error, failure or None, local grads)."""
-    import torch.distributed as dist
+def _mesh_and_reshards():
+    if not _STATE:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        _STATE["mesh"] = init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "pp"))
+        _STATE["reshards"] = _count_reshards()
+    return _STATE["mesh"], _STATE["reshards"]
+
+
+def _config(rank, world, name, deferred, wrapper):
+    """Two steps of one configuration, checked against the global batch in one process (an
+    AssertionError names the parameter); returns (this rank's gradients flattened, the FSDP
+    reshards during the steps)."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    mesh, reshards = _mesh_and_reshards()
     dp_rank, pp_rank = mesh.get_coordinate()
     pp_group, dp_group = mesh["pp"].get_group(), mesh["dp"].get_group()
-    prog = zbpipe._C.build(name, PP, M)
-    num_stages, stage_to_rank = prog.num_stages, list(prog.stage_to_rank)
+    num_stages = zbpipe.compile(name, PP, M).num_stages
     loss_fn = MODELS["mlp"][2]
     mods = build("mlp", num_stages)
     ref = copy.deepcopy(mods)
@@ -42,38 +55,18 @@ def _config(zbpipe, mesh, rank, name, deferred, wrapper):
     for x, y in steps:  # the whole global batch at once: the mean loss over every row
         loss_fn(call_chain(ref, x), y).backward()
 
-    mine = [s for s in range(num_stages) if stage_to_rank[s] == pp_rank]
-    wrapped = {}
-    for s in mine:
-        if wrapper == "ddp":
-            wrapped[s] = DDP(mods[s], process_group=dp_group)
-        else:
-            wrapped[s] = fully_shard(mods[s], mesh=mesh["dp"])
-    stages = [zbpipe.PipelineStage(wrapped[s], s, num_stages, "cpu", group=pp_group,
-                                   deferred_linear=deferred) for s in mine]
-    sched = zbpipe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M,
-                                            loss_fn=loss_fn, timeout=60)
+    def wrap(mod):
+        return DDP(mod, process_group=dp_group) if wrapper == "ddp" else fully_shard(mod, mesh=mesh["dp"])
+
+    sched, mine = rank_schedule(name, mods, pp_rank, PP, M, group=pp_group, wrap=wrap,
+                                stage_kwargs=dict(deferred_linear=deferred), loss_fn=loss_fn, timeout=60)
+    before = reshards["n"]
     rows = slice(dp_rank * 2 * M, (dp_rank + 1) * 2 * M)  # this replica's half of the batch
     for x, y in steps:
         sched.step(*((x[rows],) if 0 in mine else ()), target=y[rows] if num_stages - 1 in mine else None)
-
-    tag = f"{wrapper} {name} deferred={deferred} rank={rank}"
-    worst, failure, grads = 0.0, None, []
-    for s in mine:
-        for (pname, p), q in zip(mods[s].named_parameters(), ref[s].parameters()):
-            g = p.grad
-            if g is not None and wrapper == "fsdp":
-                g = g.full_tensor()  # collective over the replicas: same order on both
-            if g is None:
-                failure = failure or f"{tag}: stage {s} {pname} has no gradient"
-                continue
-            err = (g - q.grad).abs().max().item()
-            worst = max(worst, err)
-            if not torch.allclose(g, q.grad, rtol=RTOL, atol=ATOL) and failure is None:
-                failure = f"{tag}: stage {s} grad of {pname} differs by {err:.3g}"
-            grads.append(g.detach().flatten())
-    dist.barrier()
-    return worst, failure, torch.cat(grads).tolist() if grads else []
+    assert_grads_close([mods[s] for s in mine], [ref[s] for s in mine], msg=f"{wrapper} {name} deferred={deferred}")
+    grads = [(p.grad.full_tensor() if wrapper == "fsdp" else p.grad).flatten() for s in mine for p in mods[s].parameters()]
+    return torch.cat(grads).tolist(), reshards["n"] - before
 
 
 def _count_reshards():
@@ -93,10 +86,11 @@ def _count_reshards():
     return counts
 
 
-def _refusals(zbpipe, mesh, rank):
+def _refusals(rank, world):
     """What the DDP reducer cannot do under a pipeline schedule is refused at construction."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    mesh, _ = _mesh_and_reshards()
     pp_rank = mesh.get_coordinate()[1]
     dp_group, pp_group = mesh["dp"].get_group(), mesh["pp"].get_group()
     out = {}
@@ -120,59 +114,21 @@ def _refusals(zbpipe, mesh, rank):
     return out
 
 
-def _dp_world(rank, world):
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import zbpipe
-
-    mesh = init_device_mesh("cpu", (DP, PP), mesh_dim_names=("dp", "pp"))
-    reshards = _count_reshards()
-    out = {"errors": {}, "failures": [], "grads": {}, "reshards": {}}
-    for wrapper in ("ddp", "fsdp"):
-        for name, deferred in SCHEDULES:
-            key = f"{wrapper}/{name}{'/deferred' if deferred else ''}"
-            before = reshards["n"]
-            try:
-                worst, failure, grads = _config(zbpipe, mesh, rank, name, deferred, wrapper)
-                out["reshards"][key] = reshards["n"] - before
-            except Exception as e:  # noqa: BLE001 - reported, the world goes on
-                import traceback
-
-                out["failures"].append(f"{key} rank={rank}: {type(e).__name__}: {e}\n{traceback.format_exc()[-3000:]}")
-                return out  # a failed collective leaves the groups unusable
-            out["errors"][key] = worst
-            out["grads"][key] = grads
-            if failure:
-                out["failures"].append(failure)
-    out["refusals"] = _refusals(zbpipe, mesh, rank)
-    dist.barrier()
-    return out
+@pytest.mark.parametrize("wrapper", ["ddp", "fsdp"])
+@pytest.mark.parametrize("name,deferred", SCHEDULES, ids=[f"{n}{'-deferred' if d else ''}" for n, d in SCHEDULES])
+def test_stages_match_the_global_batch(spawn_world, wrapper, name, deferred):
+    results = spawn_world(PP * DP).run(_config, name, deferred, wrapper, timeout_s=300)
+    # The replicas of a pipeline position (ranks p and p + PP) hold identical gradients.
+    for p in range(PP):
+        assert results[p][0] and results[p][0] == results[p + PP][0], f"replicas of pp rank {p} disagree"
+    if wrapper == "fsdp":
+        # One group per stage module (fully_shard of the stage root), two steps.
+        stages_here = zbpipe.compile(name, PP, M).num_stages // PP
+        assert [r[1] for r in results] == [2 * stages_here] * (PP * DP), results
 
 
-def test_ddp_and_fsdp_stages_match_the_global_batch():
-    results, codes, leftover = run_world(PP * DP, _dp_world, timeout=400)
-    assert not leftover, f"ranks {leftover} had to be killed"
-    assert sorted(results) == list(range(PP * DP)), f"missing results: {results} (exit codes {codes})"
-    for rank, res in results.items():
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
-        assert not res["failures"], "\n".join(res["failures"])
-        assert len(res["errors"]) == 2 * len(SCHEDULES), res["errors"]
-    print("max |grad - global batch| per configuration (worst rank):")
-    for key in results[0]["errors"]:
-        print(f"  {key:<28} {max(r['errors'][key] for r in results.values()):.3g}")
-    for rank, res in results.items():
-        stages_here = {name: 2 if name in ("zbv", "interleaved_zb") else 1 for name, _ in SCHEDULES}
-        for name, deferred in SCHEDULES:
-            key = f"fsdp/{name}{'/deferred' if deferred else ''}"
-            # One group per stage module (fully_shard of the stage root), two steps.
-            assert res["reshards"][key] == 2 * stages_here[name], (rank, key, res["reshards"][key])
-        ref = res["refusals"]
+def test_ddp_options_the_pipeline_cannot_honour_are_refused(spawn_world):
+    for ref in spawn_world(PP * DP).run(_refusals, timeout_s=120):
         assert "DDP(static_graph=True) is not supported" in ref["static_graph"], ref
         assert "find_unused_parameters=True" in ref["find_unused_split"] and "splits" in ref["find_unused_split"], ref
         assert "communication hook" in ref["comm_hook_deferred"], ref
-    # The replicas of a pipeline position (ranks p and p + PP) hold identical gradients.
-    for p in range(PP):
-        for key, g in results[p]["grads"].items():
-            other = results[p + PP]["grads"][key]
-            assert g and g == other, f"{key}: replicas of pp rank {p} disagree"

@@ -16,14 +16,17 @@ from __future__ import annotations
 import re
 import weakref
 
+import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import checkpoint
 
-from _models import build, data
-from _pp_world import run_world
+from helpers.model_registry import build, data
+from helpers.schedule_registry import rank_schedule, training_names
+
+import zbpipe
 
 STEPS = 2  # per mode
 MODES = ("hook", "plain", "checkpoint")
@@ -133,55 +136,36 @@ def _program_live_sets(prog, rank: int) -> tuple[list[frozenset], list[frozenset
     return out, concurrent
 
 
-def _memory_world(rank, pp):
-    import zbpipe
-
-    out = {}
-    for name in zbpipe.schedule_names():
-        if name == "inference":
-            continue
-        m = 2 * pp
-        prog = zbpipe.compile(name, pp, m)
-        want, racing = _program_live_sets(prog, rank)
-        mods = build("mlp", prog.num_stages)
-        counter = LiveCounter(m)
-        mine = [s for s in range(prog.num_stages) if prog.stage_to_rank[s] == rank]
-        stages = [zbpipe.PipelineStage(counter.wrap(mods[s], s), s, prog.num_stages, "cpu") for s in mine]
-        sched = zbpipe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], m,
-                                               loss_fn=F.mse_loss, timeout=60)
-        res = {"simulator": zbpipe.simulate(prog).peak_activations[rank], "program": max(map(len, want))}
-        for mode in MODES:
-            counter.mode = mode
-            for k in range(STEPS):
-                counter.snapshots = []
-                x, y = data("mlp", 2 * m, seed=k + 1)
-                sched.step(*((x,) if 0 in mine else ()), target=y if prog.num_stages - 1 in mine else None)
-                # Exactly the program's pairs; a pair whose B runs concurrently with this F (the
-                # same OVERLAP_F_B) may be freed already, never any other.
-                wrong = [(i, sorted(got), sorted(exp)) for i, (got, exp, race) in
-                         enumerate(zip(counter.snapshots, want, racing)) if not (got <= exp and exp - got <= race)]
-                if len(counter.snapshots) != len(want):
-                    wrong.append(("forwards", len(counter.snapshots), len(want)))
-                res[f"{mode} step {k + 1}"] = {"wrong": wrong[:2], "after": counter.live_tensors()}
-        out[name] = res
-    return out
+def _memory(rank, pp, name):
+    """STEPS steps per mode; AssertionError naming the first forward whose live pairs differ
+    from the program's, or saved tensors alive after a step."""
+    m = 2 * pp
+    prog = zbpipe.compile(name, pp, m)
+    want, racing = _program_live_sets(prog, rank)
+    assert zbpipe.simulate(prog).peak_activations[rank] == max(map(len, want)), "simulator peak vs program's"
+    counter = LiveCounter(m)
+    mods = [counter.wrap(mod, s) for s, mod in enumerate(build("mlp", prog.num_stages))]
+    sched, mine = rank_schedule(name, mods, rank, pp, m, loss_fn=F.mse_loss, timeout=60)
+    for mode in MODES:
+        counter.mode = mode
+        for k in range(STEPS):
+            counter.snapshots = []
+            x, y = data("mlp", 2 * m, seed=k + 1)
+            sched.step(*((x,) if 0 in mine else ()), target=y if prog.num_stages - 1 in mine else None)
+            # Exactly the program's pairs; a pair whose B runs concurrently with this F (the
+            # same OVERLAP_F_B) may be freed already, never any other.
+            wrong = [(i, sorted(got), sorted(exp)) for i, (got, exp, race) in
+                     enumerate(zip(counter.snapshots, want, racing)) if not (got <= exp and exp - got <= race)]
+            where = f"{name} rank {rank} {mode} step {k + 1}"
+            assert len(counter.snapshots) == len(want), f"{where}: {len(counter.snapshots)} forwards, want {len(want)}"
+            assert not wrong, f"{where}: live pairs at the end of forward #i (got, want) {wrong[:2]}"
+            assert not counter.live_tensors(), f"{where}: {counter.live_tensors()} saved tensors alive after the step"
+    return len(mine)
 
 
-def test_saved_activations_follow_the_program_for_every_schedule():
-    results, codes, leftover = run_world(4, _memory_world, timeout=300)
-    assert not leftover, f"ranks {leftover} had to be killed"
-    assert sorted(results) == [0, 1, 2, 3], f"missing results: {results} (exit codes {codes})"
-    bad = []
-    for rank, res in sorted(results.items()):
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
-        for name, r in res.items():
-            if r["simulator"] != r["program"]:
-                bad.append(f"{name} rank {rank}: simulator peak {r['simulator']}, program's {r['program']}")
-            for step, got in r.items():
-                if isinstance(got, dict) and (got["wrong"] or got["after"]):
-                    bad.append(f"{name} rank {rank} {step}: live pairs at the end of forward #i (got, want) "
-                               f"{got['wrong']}; saved tensors alive after the step {got['after']}")
-    assert not bad, "\n".join(bad)
+@pytest.mark.parametrize("name", training_names())
+def test_saved_activations_follow_the_program(spawn_world, name):
+    assert spawn_world(4).run(_memory, name, timeout_s=300) == [len(zbpipe.compile(name, 4, 8).stage_to_rank) // 4] * 4
 
 
 class Wide(nn.Module):
@@ -201,66 +185,60 @@ def _rss_bytes() -> int:
         return int(f.read().split()[1]) * 4096
 
 
-def _rss_world(rank, pp, split_names, steps):
-    import zbpipe
-
-    out = {}
+def _rss(rank, pp, name, steps):
+    """RSS after step 10 and after the last of `steps` steps."""
     m = 8
-    for name in split_names:
-        prog = zbpipe.compile(name, pp, m)
-        torch.manual_seed(0)
-        mine = [s for s in range(prog.num_stages) if prog.stage_to_rank[s] == rank]
-        stages = [zbpipe.PipelineStage(Wide(), s, prog.num_stages, "cpu") for s in mine]
-        sched = zbpipe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], m,
-                                               loss_fn=F.mse_loss, timeout=60)
-        x, y = torch.randn(64 * m, 256), torch.randn(64 * m, 256)
-        rss = []
-        for k in range(steps):
-            sched.step(*((x,) if 0 in mine else ()), target=y if prog.num_stages - 1 in mine else None)
-            if k in (9, steps - 1):
-                rss.append(_rss_bytes())
-        out[name] = rss
-    # Reentrant checkpoint on a stage with an input gradient (stage 1): refused at its first I.
+    torch.manual_seed(0)
+    mods = [Wide() for _ in range(zbpipe.compile(name, pp, m).num_stages)]
+    sched, mine = rank_schedule(name, mods, rank, pp, m, loss_fn=F.mse_loss, timeout=60)
+    x, y = torch.randn(64 * m, 256), torch.randn(64 * m, 256)
+    rss = []
+    for k in range(steps):
+        sched.step(*((x,) if 0 in mine else ()), target=y if len(mods) - 1 in mine else None)
+        if k in (9, steps - 1):
+            rss.append(_rss_bytes())
+    return rss
+
+
+class Reentrant(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
+
+
+def _reentrant(rank, pp):
+    """Reentrant checkpoint on a stage with an input gradient (stage 1): refused at its first I."""
     group = torch.distributed.new_group(list(range(pp)), backend="gloo")
-
-    class Reentrant(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lin = nn.Linear(8, 8)
-
-        def forward(self, x):
-            return torch.utils.checkpoint.checkpoint(self.lin, x, use_reentrant=True)
-
     stage = zbpipe.PipelineStage(Reentrant(), rank, pp, "cpu", group=group)
     sched = zbpipe.ScheduleZBH1(stage, 2, loss_fn=F.mse_loss, timeout=3)
     try:
         sched.step(*((torch.randn(4, 8),) if rank == 0 else ()), target=torch.randn(4, 8) if rank == pp - 1 else None)
-        out["reentrant"] = "ok"
     except Exception as e:  # noqa: BLE001 - the message is the point
-        out["reentrant"] = f"{type(e).__name__}: {e}"
-    return out
+        return f"{type(e).__name__}: {e}"
+    return "ok"
 
 
 SPLIT = ["zb_h1", "zb_h2", "zbv", "v_half", "v_min", "interleaved_zb", "zb_auto", "dualpipev"]
 
 
-def test_save_on_cpu_rss_is_flat_over_100_steps_and_reentrant_checkpoint_is_refused():
-    import zbpipe
-
+def test_every_split_schedule_is_measured():
     split = [n for n in zbpipe.schedule_names() if any("I" in a for a in zbpipe.compile(n, 2, 8).compute_actions(0))]
-    assert sorted(split) == sorted(SPLIT)  # every schedule with I/W is measured
-    results, codes, leftover = run_world(2, _rss_world, split, 100, timeout=400, gloo_devices=2)
-    assert not leftover, f"ranks {leftover} had to be killed"
-    assert sorted(results) == [0, 1], f"missing results: {results} (exit codes {codes})"
-    growth = []
-    for rank, res in sorted(results.items()):
-        assert "error" not in res, f"rank {rank}:\n{res['error']}"
-        for name in split:
-            at10, at100 = res[name]
-            # A leak of the closure's saved tensors is about 1 MiB per step here (90 MiB).
-            if at100 - at10 > 16 << 20:
-                growth.append(f"{name} rank {rank}: RSS {at10 >> 20} MiB after step 10, {at100 >> 20} MiB after step 100")
-    assert not growth, "\n".join(growth)
-    msg = results[1]["reentrant"]
-    assert "PipelineError" in msg and "1I0" in msg and "cannot be split" in msg and "use_reentrant=False" in msg, msg
-    assert results[0]["reentrant"] != "ok"
+    assert sorted(split) == sorted(SPLIT)
+
+
+@pytest.mark.parametrize("name", SPLIT)
+def test_save_on_cpu_rss_is_flat_over_100_steps(spawn_world, name):
+    for rank, (at10, at100) in enumerate(spawn_world(2, gloo_devices=2).run(_rss, name, 100, timeout_s=400)):
+        # A leak of the closure's saved tensors is about 1 MiB per step here (90 MiB).
+        assert at100 - at10 <= 16 << 20, (
+            f"{name} rank {rank}: RSS {at10 >> 20} MiB after step 10, {at100 >> 20} MiB after step 100")
+
+
+def test_reentrant_checkpoint_is_refused_under_a_split_schedule(spawn_world):
+    first, second = spawn_world(2, gloo_devices=2).run(_reentrant, timeout_s=120)
+    assert "PipelineError" in second and "1I0" in second and "cannot be split" in second, second
+    assert "use_reentrant=False" in second, second
+    assert first != "ok"

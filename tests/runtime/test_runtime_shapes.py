@@ -4,35 +4,38 @@ length 5 and 7. Each new input signature of the first stage renegotiates every s
 step's loss and the accumulated gradients equal a single-process run of the same batches. With
 static_shapes=True the first step's shapes stay, and a changed input fails every rank, saying so.
 
-pp=3 on Gloo, 1f1b (one stage per rank) and zbv (rank 0 holds the first and the last stage),
-in ONE spawned world.
+pp=3 on Gloo, 1f1b (one stage per rank) and zbv (rank 0 holds the first and the last stage);
+every case in the module's one spawned world, each on a group of its own.
 """
 
 from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
+from helpers.asserts import assert_close, assert_grads_close
+from helpers.model_registry import MODELS, build, call_chain
+from helpers.schedule_registry import rank_schedule
 
-from _models import MODELS, build, call_chain
-from _pp_world import run_world
+import zbpipe
 
 PP = 3
 M = 4
 SHAPES = [(8, 8), (12, 8), (8, 8), (4, 5, 8), (4, 7, 8), (12, 8)]  # 4 distinct signatures
-RTOL, ATOL = 1e-4, 1e-6
 
 
-def _renegotiating(zbpipe, group, rank, name):
-    prog = zbpipe._C.build(name, PP, M)
-    num_stages, stage_to_rank = prog.num_stages, list(prog.stage_to_rank)
+def _renegotiating(rank, pp, name):
+    """Every step's loss and the accumulated gradients against one process; returns the
+    number of handshakes the executor ran."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(PP)))
+    num_stages = zbpipe.compile(name, PP, M).num_stages
     loss_fn = MODELS["mlp"][2]
     mods = build("mlp", num_stages)
     ref = copy.deepcopy(mods)
-    mine = [s for s in range(num_stages) if stage_to_rank[s] == rank]
-    stages = [zbpipe.PipelineStage(mods[s], s, num_stages, "cpu", group=group) for s in mine]
-    sched = zbpipe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], M, loss_fn=loss_fn, timeout=60)
-    failures = []
+    sched, mine = rank_schedule(name, mods, rank, PP, M, group=group, loss_fn=loss_fn, timeout=60)
     for k, shape in enumerate(SHAPES):
         g = torch.Generator().manual_seed(10 + k)
         x, y = torch.randn(shape, generator=g), torch.randn(shape, generator=g)
@@ -41,18 +44,16 @@ def _renegotiating(zbpipe, group, rank, name):
         losses = []
         sched.step(*((x,) if 0 in mine else ()), target=y if num_stages - 1 in mine else None, losses=losses)
         if num_stages - 1 in mine:
-            got = torch.stack(losses).mean()
-            if not torch.allclose(got, ref_loss, rtol=RTOL, atol=ATOL):
-                failures.append(f"{name} step {k} {shape}: loss {got.item()} != {ref_loss.item()}")
-    for s in mine:
-        for (pname, p), q in zip(mods[s].named_parameters(), ref[s].parameters()):
-            if not torch.allclose(p.grad, q.grad, rtol=RTOL, atol=ATOL):
-                failures.append(f"{name} rank {rank}: stage {s} grad of {pname} differs by "
-                                f"{(p.grad - q.grad).abs().max().item():.3g}")
-    return {"failures": failures, "handshakes": sched._get_executor().handshakes}
+            assert_close(torch.stack(losses).mean(), ref_loss, msg=f"{name} step {k} {shape}: loss")
+    assert_grads_close([mods[s] for s in mine], [ref[s] for s in mine], msg=f"{name} rank {rank}")
+    return sched._get_executor().handshakes
 
 
-def _static(zbpipe, group, rank):
+def _static(rank, pp):
+    """Three steps (8, 8, then 12 rows) with static_shapes=True: (outcome, message, handshakes)."""
+    import torch.distributed as dist
+
+    group = dist.new_group(list(range(PP)))
     mods = build("mlp", PP)
     stage = zbpipe.PipelineStage(mods[rank], rank, PP, "cpu", group=group)
     sched = zbpipe.Schedule1F1B(stage, M, loss_fn=MODELS["mlp"][2], timeout=60, static_shapes=True)
@@ -67,30 +68,16 @@ def _static(zbpipe, group, rank):
     return out
 
 
-def _world(rank, pp):
-    import torch.distributed as dist
-
-    import zbpipe
-
-    out = {}
-    for name in ("1f1b", "zbv"):
-        out[name] = _renegotiating(zbpipe, dist.new_group(list(range(PP))), rank, name)
-    out["static"] = _static(zbpipe, dist.new_group(list(range(PP))), rank)
-    dist.barrier()
-    return out
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_shapes_renegotiate_between_steps(spawn_world, name):
+    handshakes = spawn_world(PP).run(_renegotiating, name, timeout_s=240)
+    assert handshakes == [4] * PP, handshakes
 
 
-def test_shapes_renegotiate_between_steps():
-    results, codes, leftover = run_world(PP, _world, timeout=240)
-    assert not leftover and codes == [0] * PP, (leftover, codes)
-    for rank in range(PP):
-        assert "error" not in results[rank], results[rank].get("error")
-        r = results[rank]
-        for name in ("1f1b", "zbv"):
-            assert not r[name]["failures"], "\n".join(r[name]["failures"])
-            assert r[name]["handshakes"] == 4, (name, rank, r[name]["handshakes"])
-        first, second, changed = r["static"]
-        assert first == ("ok", "", 1) and second == ("ok", "", 1), r["static"]
+def test_static_shapes_keep_the_first_steps_and_refuse_a_change(spawn_world):
+    results = spawn_world(PP).run(_static, timeout_s=240)
+    for rank, (first, second, changed) in enumerate(results):
+        assert first == ("ok", "", 1) and second == ("ok", "", 1), (first, second)
         kind, msg, handshakes = changed
         assert kind == "PipelineError" and handshakes == 1, changed
         assert "(float32[3, 8]) but the pipeline agreed on (float32[2, 8])" in msg, msg

@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers.asserts import assert_close, assert_grads_close
+from helpers.model_registry import DualPipeLinearFunc
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
@@ -97,24 +99,6 @@ class FixedKV(nn.Module):  # a multi-output boundary node: attention with parame
         return F.scaled_dot_product_attention(q, self.k, self.v).view(4, 6) + x
 
 
-class DualPipeLinearFunc(torch.autograd.Function):
-    """DualPipe's examples/example_dualpipev.py LinearFunc: adds dW to weight.grad inside its
-    own backward and returns None for the weight (with WeightGradStore disabled)."""
-
-    @staticmethod
-    def forward(ctx, x, weight):
-        ctx.save_for_backward(x, weight)
-        return F.linear(x, weight)
-
-    @staticmethod
-    def backward(ctx, gy):
-        x, weight = ctx.saved_tensors
-        if weight.grad is None:
-            weight.grad = torch.zeros_like(weight)
-        weight.grad += gy.flatten(0, -2).T @ x.flatten(0, -2)
-        return gy @ weight, None
-
-
 class PlainLinearFunc(torch.autograd.Function):  # a custom Function returning dW normally
     @staticmethod
     def forward(ctx, x, weight):
@@ -144,20 +128,6 @@ class Custom(nn.Module):  # custom Functions on the input path, next to generate
 MODULES = [Reuse, Branches, Diamond, Tied, Mixed, Block, FixedKV, Custom]
 
 
-def _grads(model):
-    return {n: None if p.grad is None else p.grad.clone() for n, p in model.named_parameters()}
-
-
-def _assert_same(got, want):
-    assert got.keys() == want.keys()
-    for n in want:
-        if want[n] is None:
-            assert got[n] is None, n
-        else:
-            assert got[n] is not None, n
-            torch.testing.assert_close(got[n], want[n], rtol=1e-5, atol=1e-6, msg=n)
-
-
 @pytest.mark.parametrize("input_grad", [True, False], ids=["mid-stage", "first-stage"])
 @pytest.mark.parametrize("cls", MODULES, ids=lambda c: c.__name__)
 def test_split_equals_full(cls, input_grad):
@@ -179,9 +149,9 @@ def test_split_equals_full(cls, input_grad):
     del out
     _C.backward_weight(work)
     assert len(work) == 0  # W consumed the captured slots
-    _assert_same(_grads(model), _grads(ref))
+    assert_grads_close(model, ref)
     if input_grad:
-        torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
+        assert_close(dx, xr.grad)
     else:
         assert dx is None
 
@@ -199,7 +169,7 @@ def test_split_accumulates_across_microbatches():
         works.append(_C.backward_input([y], [torch.ones_like(y)], [])[1])
     for w in works:
         _C.backward_weight(w)
-    _assert_same(_grads(model), _grads(ref))
+    assert_grads_close(model, ref)
 
 
 def test_deferred_linear_queues_weight_gradients():
@@ -219,7 +189,7 @@ def test_deferred_linear_queues_weight_gradients():
     assert model[2].weight.grad is not None                             # LayerNorm: immediate
     for entry in queue:
         entry.run()
-    _assert_same(_grads(model), _grads(ref))
+    assert_grads_close(model, ref)
     # W builds no graph: a dW with history would keep the queued activations alive in .grad.
     assert all(p.grad.grad_fn is None and not p.grad.requires_grad for p in model.parameters())
     # What W keeps per Linear: its input and its output gradient, nothing else.
@@ -252,8 +222,8 @@ def test_full_backward_returns_input_gradient_and_fills_params(cls):
     ref(xr).backward(g)
     xs = x.clone().requires_grad_(True)
     (dx,) = _C.backward_full([model(xs)], [g], [xs])
-    torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
-    _assert_same(_grads(model), _grads(ref))
+    assert_close(dx, xr.grad)
+    assert_grads_close(model, ref)
 
 
 def test_diamond_sums_each_path_once():
@@ -267,7 +237,7 @@ def test_diamond_sums_each_path_once():
     ref = copy.deepcopy(model)
     ref(x.detach().requires_grad_(True)).backward(torch.ones(4, 6))
     _C.backward_weight(work)
-    torch.testing.assert_close(model.w.grad, ref.w.grad, rtol=1e-5, atol=1e-6)
+    assert_close(model.w.grad, ref.w.grad)
 
 
 def test_unused_input_gets_no_gradient():
@@ -376,9 +346,9 @@ def test_boundary_hooks_run_once_and_w_uses_what_they_returned():
     assert "AddmmBackward0" in work.rerun
     _C.backward_weight(work)
     assert calls == calls_ref == {"tensor": 1, "pre": 1, "post": 1}
-    torch.testing.assert_close(model.h.grad, ref.h.grad)  # retain_grad: once, not doubled
-    torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
-    _assert_same(_grads(model), _grads(ref))  # a's dW from the doubled gradient
+    assert_close(model.h.grad, ref.h.grad)  # retain_grad: once, not doubled
+    assert_close(dx, xr.grad)
+    assert_grads_close(model, ref)  # a's dW from the doubled gradient
 
 
 class Routed(nn.Module):
@@ -413,7 +383,7 @@ def test_analysis_is_cached_per_graph_shape_and_stays_exact():
     assert (cache.misses, cache.hits) == (2, len(routes) - 2)
     for w in works:
         _C.backward_weight(w)
-    _assert_same(_grads(model), _grads(ref))
+    assert_grads_close(model, ref)
 
 
 def test_graph_is_released_at_i_and_w_under_saved_tensor_hooks():
@@ -473,9 +443,9 @@ def test_non_reentrant_checkpoint_is_exact(input_grad):
     xs = x.clone().requires_grad_(input_grad)
     (dx,), work = _C.backward_input([model(xs)], [g], [xs])
     _C.backward_weight(work)
-    _assert_same(_grads(model), _grads(ref))
+    assert_grads_close(model, ref)
     if input_grad:
-        torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
+        assert_close(dx, xr.grad)
 
 
 def test_reentrant_checkpoint_on_the_input_path_is_refused_naming_the_fix():
@@ -506,7 +476,7 @@ def test_deferred_linear_under_checkpoint_is_exact(reentrant):
     for entry in queue:
         entry.run()
     hook.in_step = False
-    _assert_same(_grads(model), _grads(ref))
+    assert_grads_close(model, ref)
 
 
 def test_compiled_stage_is_exact():
@@ -526,8 +496,8 @@ def test_compiled_stage_is_exact():
     (dx,), work = box["res"]
     assert all(p.grad is None for p in model.parameters()) and len(work) == 4
     assert _matmuls(lambda: _C.backward_weight(work)) == 0 and i == 4  # dX and dW of both Linears, in I
-    torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
-    _assert_same(_grads(model), _grads(ref))
+    assert_close(dx, xr.grad)
+    assert_grads_close(model, ref)
 
 
 def test_checkpoint_recomputes_once_per_backward_call():
@@ -568,10 +538,10 @@ def test_pytorch_split_is_exact_on_a_reused_weight_and_raises_on_tied_and_mixed(
     ref(xr).backward(g)
     xs = x.clone().requires_grad_(True)
     (dx,), groups = stage_backward_input([model(xs)], [g], [xs], model.parameters())
-    torch.testing.assert_close(dx, xr.grad, rtol=1e-5, atol=1e-6)
+    assert_close(dx, xr.grad)
     if cls in TORCH_RAISES:  # its W: one parameter group's autograd.grad frees nodes another group needs
         with pytest.raises(RuntimeError, match="backward through the graph a second time"):
             stage_backward_weight(model.parameters(), groups)
         return
     stage_backward_weight(model.parameters(), groups)
-    _assert_same(_grads(model), _grads(ref))
+    assert_grads_close(model, ref)

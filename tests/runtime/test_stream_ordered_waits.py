@@ -11,10 +11,10 @@ import time
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers.loopback import run_threads
 
 import zbpipe
 from zbpipe import _C
-from _loopback_run import run_threads
 
 TIMEOUT_S = 1.0
 

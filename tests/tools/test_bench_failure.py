@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from _subprocess_env import NEUTRAL_CWD, child_env
+from helpers.subprocess_env import NEUTRAL_CWD, child_env
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_bench_failure_prints_a_row():

@@ -9,11 +9,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from helpers.subprocess_env import NEUTRAL_CWD, child_env
 
 import zbpipe
-from _subprocess_env import NEUTRAL_CWD, child_env
 from zbpipe.cli import main
-
 
 
 def run(capsys, *argv):

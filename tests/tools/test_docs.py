@@ -13,8 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _pp_world import free_port
-from _subprocess_env import NEUTRAL_CWD, child_env
+from helpers.subprocess_env import NEUTRAL_CWD, child_env, free_port
 
 
 def _repo_root() -> Path:

@@ -9,7 +9,11 @@ import subprocess
 import sys
 
 import pytest
-from _subprocess_env import NEUTRAL_CWD, child_env
+from helpers.subprocess_env import NEUTRAL_CWD, child_env
+
+# Bounds, not speed goals: three steps take seconds on a quiet machine, minutes on a loaded one.
+RUN_TIMEOUT_S = 150  # the trainer's own --timeout
+WAIT_S = 180  # what this test waits for the trainer's process
 FINAL = re.compile(
     r"final loss: pipelined (\S+) \| single-process (\S+) \| diff (\S+) "
     r"\(max over (\d+) steps (\S+), tol \S+\) (MATCH|MISMATCH)"
@@ -19,8 +23,8 @@ PROGRESS = re.compile(r"^step\s+(\d+)/(\d+) \| loss (\S+) \|\s+(\d+) tok/s", re.
 
 def _run_demo(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "zbpipe.train", "--steps", "3", "--log-every", "1", "--timeout", "45", *args],
-        cwd=NEUTRAL_CWD, env=child_env(), capture_output=True, text=True, timeout=60,
+        [sys.executable, "-m", "zbpipe.train", "--steps", "3", "--log-every", "1", "--timeout", str(RUN_TIMEOUT_S), *args],
+        cwd=NEUTRAL_CWD, env=child_env(), capture_output=True, text=True, timeout=WAIT_S,
     )
 
 

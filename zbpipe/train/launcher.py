@@ -9,7 +9,8 @@ benchmarks and the tests, in bounded time and never leaving a process behind.
 Rendezvous is a FileStore in a fresh temporary directory, so concurrent worlds on one machine
 cannot collide on a port. Gloo runs on the loopback interface (127.0.0.1), with `gloo_devices`
 devices on it (GLOO_SOCKET_IFNAME=lo,lo for 2: zbpipe routes the two directions of a rank pair
-through different ones); `device="cuda"` selects NCCL with rank r on cuda:(r % device_count),
+through different ones); `device="cuda"` selects NCCL (Gloo for CPU tensors) with rank r on
+cuda:(r % device_count),
 and `rank_device()` is a rank's torch device.
 
 A world stays up between runs while every rank returns. When any rank raises or dies, or the
@@ -77,7 +78,8 @@ def _init_rank(rank: int, size: int, store: str, device: str, pg_timeout_s: floa
     torch.set_num_threads(threads)
     if device == "cuda":
         torch.cuda.set_device(rank % torch.cuda.device_count())
-        backend, _DEVICE = "nccl", torch.device("cuda", torch.cuda.current_device())
+        # NCCL for CUDA tensors, Gloo for the CPU ones a run may still exchange (objects, flags).
+        backend, _DEVICE = "cpu:gloo,cuda:nccl", torch.device("cuda", torch.cuda.current_device())
     else:
         backend, _DEVICE = "gloo", torch.device("cpu")
     dist.init_process_group(
@@ -86,7 +88,7 @@ def _init_rank(rank: int, size: int, store: str, device: str, pg_timeout_s: floa
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=pg_timeout_s),
-        **({"device_id": _DEVICE} if backend == "nccl" else {}),
+        **({"device_id": _DEVICE} if device == "cuda" else {}),
     )
 
 
