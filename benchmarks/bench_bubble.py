@@ -5,7 +5,7 @@ the executor's own trace.
     PYTHONPATH=. python benchmarks/bench_bubble.py                   # one thread per rank
     PYTHONPATH=. python benchmarks/bench_bubble.py --threads 2 --models linear --reps 2   # 2-core distortion
 
-pp=2, two spawned ranks on one host joined by Gloo (zbpipe.examples.launcher, two loopback
+pp=2, two spawned ranks on one host joined by Gloo (zbpipe.train.launcher, two loopback
 devices), 8 microbatches of 64 rows, fp32 CPU. Models (benchmarks/_split_models.py), per rank:
 `linear` = four nn.Linear(1024, 1024) (1F1B/ZB-H1/ZB-H2/zb_auto: one stage of four per rank;
 ZBV: two stages of two), `block` = two transformer encoder blocks (attention + MLP, d=512;
@@ -53,7 +53,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _split_models import MODELS
-from zbpipe.examples.launcher import run_local
+from zbpipe.train.launcher import run_local
 
 PP = 2
 SCHEDULES = ("1f1b", "zb_h1", "zb_h2", "zbv", "zb_auto")
@@ -180,7 +180,7 @@ class _Run:
                 "cost": _agree(self.samples, self.num_stages)}
 
 
-def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
+def _bench(rank: int, world: int, a: dict) -> None:
     for model in a["models"]:
         comm = _comm_ms(rank, MODELS[model][1])
         runs = {n: _Run(n, model, rank, a, comm) for n in a["schedules"] if n != "zb_auto"}

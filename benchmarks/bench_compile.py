@@ -8,7 +8,7 @@ A second table times the search-based schedules (zb_auto, v_half, v_min) on one 
 (search_threads=1) and on the default thread count (one per CPU this process may use, at most 8)
 against their own exhaustive grid, the search as it ran before: every grid point scheduled to
 the end and scored with the simulator (compile(..., exhaustive_search=True); it picks the same
-program, which tests/test_list_search.py checks), at unit costs and at the Zero Bubble paper's
+program, which tests/core/test_list_search.py checks), at unit costs and at the Zero Bubble paper's
 1.5B costs.
 
     PYTHONPATH=. python benchmarks/bench_compile.py          # full tables (32x128 cells take seconds)

@@ -39,15 +39,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zbpipe.examples.launcher import run_local
-from zbpipe.examples.pipelines import (
-    SCHEDULES,
-    build_pipeline,
-    local_stages,
-    num_stages_for,
-    spec_for,
-)
-from zbpipe.examples.tiny_transformer import Block, TinyConfig
+import zbpipe
+from zbpipe.train.launcher import rank_device, run_local
+from zbpipe.train.model import Block, TinyConfig
+from zbpipe.train.pipeline import build_pipeline, local_stages, topology, training_schedules
 
 # size -> (one layer, shape of one microbatch)
 SIZES: dict[str, tuple[Callable[[], nn.Module], tuple[int, ...]]] = {
@@ -136,24 +131,24 @@ VARIANTS = {"zbpipe:seq": ("zbpipe", {"overlap_f_b": False}),
             "zbpipe-static": ("zbpipe", {"static_shapes": True})}
 
 
-def _build(lib, schedule, size, num_stages, rank, world, device, mbs):
+def _build(lib, program, size, rank, device):
     """(schedule, local stages, params), or None on every rank if any rank cannot build it."""
-    modules = _modules(size, num_stages, 0)
+    modules = _modules(size, program.num_stages, 0)
     base, kwargs = VARIANTS.get(lib, (lib, None))
     try:
-        sched, local = build_pipeline(base, schedule, modules, rank, world, device, mbs, _mse,
-                                      schedule_kwargs=kwargs)
+        sched, local = build_pipeline(base, program, modules, rank, device, _mse, schedule_kwargs=kwargs)
         err = None
     except (ValueError, TypeError, AttributeError, NotImplementedError, RuntimeError) as e:
         err = f"{type(e).__name__}: {e}"
     if not _all_agree(err is None, device):
         if rank == 0:
-            print(f"# {schedule} {lib}: n/a ({err or 'failed on another rank'})", flush=True)
+            print(f"# {program.schedule} {lib}: n/a ({err or 'failed on another rank'})", flush=True)
         return None
     return sched, local, [p for s in local for p in modules[s].parameters()]
 
 
-def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
+def _bench(rank: int, world: int, a: dict) -> None:
+    device = rank_device()
     mbs, reps = a["microbatches"], a["reps"]
     for size in a["sizes"]:
         shape = SIZES[size][1]
@@ -163,10 +158,16 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
         y = torch.randn(batch, generator=g).to(device)
         one_proc = _one_process(size, mbs, reps, device) if rank == 0 and not a["overlap"] else 0.0
         for schedule in a["schedules"]:
-            num_stages = num_stages_for(schedule, world)
+            try:  # the same answer on every rank
+                program = topology(schedule, world, mbs)
+            except zbpipe.ScheduleError as e:
+                if rank == 0:
+                    print(f"# {schedule}: n/a ({e})", flush=True)
+                continue
+            num_stages = program.num_stages
             runs = {}
             for lib in a["libs"]:
-                run = _build(lib, schedule, size, num_stages, rank, world, device, mbs)
+                run = _build(lib, program, size, rank, device)
                 if run is not None:
                     runs[lib] = run
                     for _ in range(a["warmup"]):
@@ -175,7 +176,7 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
             for _ in range(reps):  # alternate libraries so drift on a shared machine hits both
                 for lib, run in runs.items():
                     times[lib].append(_time_steps(*run, num_stages, x, y, a["steps"], device))
-            local = local_stages(schedule, rank, world, num_stages)
+            local = local_stages(program, rank)
             floor = _compute_floor(_modules(size, num_stages, 0), local, mbs, shape, reps, device)
             floor_t = torch.tensor([floor], device=device)
             dist.all_reduce(floor_t, op=dist.ReduceOp.MAX)
@@ -228,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pp", type=int, default=2)
     p.add_argument("--microbatches", type=int, default=16)
     p.add_argument("--schedules", default="gpipe,1f1b,interleaved_1f1b,zbv,dualpipev,zb_h1",
-                   help=f"comma list from {sorted(SCHEDULES)}")
+                   help=f"comma list from {sorted(training_schedules())}")
     p.add_argument("--sizes", default="tiny,medium", help=f"comma list from {sorted(SIZES)}")
     p.add_argument("--libs", default="torch,zbpipe,zbpipe-static",
                    help="torch, zbpipe, zbpipe-static (zbpipe with static_shapes=True)")
@@ -254,8 +255,9 @@ def main(argv: list[str] | None = None) -> int:
         if ns.libs == defaults["libs"]:
             ns.libs = "zbpipe:seq,zbpipe,torch"
     a = vars(ns) | {k: getattr(ns, k).split(",") for k in ("schedules", "sizes", "libs")}
-    for s in a["schedules"]:
-        spec_for(s)
+    unknown = sorted(set(a["schedules"]) - set(training_schedules()))
+    if unknown:
+        p.error(f"unknown schedules {unknown}; choose from {sorted(training_schedules())}")
     if ns.device == "cuda" and torch.cuda.device_count() < ns.pp:
         p.error(f"--device cuda needs {ns.pp} GPUs, found {torch.cuda.device_count()}")
     backend = "NCCL" if ns.device == "cuda" else "Gloo"

@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zbpipe.examples.launcher import run_local
+from zbpipe.train.launcher import run_local
 
 
 class _FailingStage(nn.Module):
@@ -40,7 +40,7 @@ class _FailingStage(nn.Module):
         return self.lin(x)
 
 
-def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
+def _bench(rank: int, world: int, a: dict) -> None:
     import zbpipe
 
     n = 4
@@ -48,7 +48,7 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
     for _ in range(a["reps"]):
         group = dist.new_group(list(range(world)))
         mod = _FailingStage(n + 3 if rank == 0 else None)  # step 2, microbatch 2
-        stage = zbpipe.PipelineStage(mod, rank, world, device, group=group)
+        stage = zbpipe.PipelineStage(mod, rank, world, "cpu", group=group)
         sched = zbpipe.Schedule1F1B(stage, n, loss_fn=F.mse_loss, timeout=a["timeout"])
         x, y = torch.randn(4 * n, 16), torch.randn(4 * n, 16)
         seen = None

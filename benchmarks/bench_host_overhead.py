@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zbpipe.examples.launcher import run_local
+from zbpipe.train.launcher import run_local
 
 ROWS, WIDTH = 4, 16
 
@@ -91,9 +91,11 @@ def _zero(mods):
             p.grad = None
 
 
-def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
+def _bench(rank: int, world: int, a: dict) -> None:
     import zbpipe
-    from zbpipe.examples.pipelines import SCHEDULES
+    from zbpipe.train.pipeline import schedule_class, torch_schedules
+
+    in_torch = set(torch_schedules())
 
     n = a["microbatches"]
     g = torch.Generator().manual_seed(1)
@@ -116,14 +118,14 @@ def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
         tmods: list[nn.Module] = []
         runs = {"zb": lambda: sched.step(x, target=y), "loop": lambda: _plain_loop(loop_mods, xs, ys, n),
                 "engine": lambda: _engine_loop(eng_mods, xs, ys, n, split, caches)}
-        if a["torch"] and name in SCHEDULES and SCHEDULES[name].in_torch:
+        if a["torch"] and name in in_torch:
             try:
                 import torch.distributed.pipelining as tp
 
+                cls = schedule_class("torch", name)
                 tmods = _modules(prog.num_stages)
                 tst = [tp.PipelineStage(m, s, prog.num_stages, "cpu") for s, m in enumerate(tmods)]
-                cls = getattr(tp, "Schedule" + SCHEDULES[name].class_name)
-                tsched = cls(tst if SCHEDULES[name].stages_per_rank > 1 else tst[0], n, loss_fn=F.mse_loss)
+                tsched = cls(tst if len(tst) > 1 else tst[0], n, loss_fn=F.mse_loss)
                 tsched.step(x, target=y)
                 runs["torch"] = lambda: tsched.step(x, target=y)
             except Exception as e:  # noqa: BLE001 - reported, the row goes on

@@ -11,7 +11,7 @@ largest per-rank peak, in (stage, microbatch) units and in 1F1B-stage microbatch
 
 The "zb-1.5B" setting is the Zero Bubble paper's 1.5B model (p=8, m=24) with its profiled times
 (ICLR 2024 version, Table 6): T_F=18.522, T_B=18.086, T_W=9.337, T_comm=0.601.
-tests/test_paper_bubble_rates.py checks that the simulator reproduces the paper's Table 5
+tests/core/test_paper_bubble_rates.py checks that the simulator reproduces the paper's Table 5
 bubble rates for 1F1B, ZB-H1 and ZB-H2 from those times.
 """
 

@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from _split_models import MODELS, build
-from zbpipe.examples.launcher import run_local
+from zbpipe.train.launcher import run_local
 
 MICROBATCHES = 4  # of table 1's ZBV step
 
@@ -270,7 +270,7 @@ def _trace_table(a) -> None:
               flush=True)
 
 
-def _bench(rank: int, world: int, device: torch.device, a: dict) -> None:
+def _bench(rank: int, world: int, a: dict) -> None:
     if "trace" in a["tables"]:
         _trace_table(a)
     if "backends" in a["tables"]:

@@ -11,18 +11,17 @@ import sys
 
 from . import _C
 from .programs import compile as compile_schedule
-from .programs import schedule_names, simulate
+from .programs import schedule_names, schedule_options, simulate
 from .timeline_text import slot_grid
 
-# Schedules whose memory cap is a parameter (the others fix their own).
-CAPPED = ("zb_auto",)
 COSTS_HELP = """costs: --f/--b/--w/--b-full are the forward, backward-input (I), backward-weight (W)
 and full-backward (B, default b + w) times of one 1F1B stage, i.e. 1/pp of the model: a scalar
 or one comma-separated value per 1F1B stage. A schedule with k stages per rank runs each slice
 as k stages costing 1/k of it, so every schedule simulates the same model. A list of one value
 per schedule stage is used as is; --raw-costs applies all values to each stage unchanged (as
 zbpipe.simulate does). --comm is the latency of one cross-rank transfer.
-memory: peak activations count (stage, microbatch) units, the simulator's; with k stages per
+"""
+MEMORY_HELP = """memory: peak activations count (stage, microbatch) units, the simulator's; with k stages per
 rank one unit is 1/k of a 1F1B stage's activations, shown as "1F1B-mb"."""
 
 
@@ -99,22 +98,24 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--comm", type=_latency, default=0.0, help="cross-rank latency (default 0)")
     cap = _Parser(add_help=False)
     cap.add_argument("--memory-cap", type=_positive_int, default=None,
-                     help="activation cap per rank in (stage, microbatch) units (zb_auto)")
+                     help="activation cap per rank in (stage, microbatch) units (schedules that "
+                          "take one; in --compare, those that take this one)")
     costs.add_argument("--raw-costs", action="store_true",
                        help="apply cost values to each schedule stage unchanged")
 
     fmt = argparse.RawDescriptionHelpFormatter
-    sub.add_parser("plan", parents=[sched, cap], formatter_class=fmt,
-                   epilog="memory:" + COSTS_HELP.split("memory:")[1],
+    sub.add_parser("plan", parents=[sched, cap], formatter_class=fmt, epilog=MEMORY_HELP,
                    help="print the per-rank program as a slot grid at unit costs",
                    description="The schedule as a grid: ranks as rows, one column per time slot "
                                "at unit costs (F = I = W = 1, B = 2), then its bubble rate and "
                                "peak memory per rank.")
-    sim = sub.add_parser("simulate", parents=[sched, costs, cap], formatter_class=fmt, epilog=COSTS_HELP,
+    sim = sub.add_parser("simulate", parents=[sched, costs, cap], formatter_class=fmt,
+                         epilog=COSTS_HELP + MEMORY_HELP,
                          help="the simulator's numbers under a cost model")
     sim.add_argument("--compare", action="store_true",
                      help="one table over every schedule that accepts (pp, microbatches)")
-    draw = sub.add_parser("draw", parents=[sched, costs, cap], formatter_class=fmt, epilog=COSTS_HELP,
+    draw = sub.add_parser("draw", parents=[sched, costs, cap], formatter_class=fmt,
+                          epilog=COSTS_HELP + MEMORY_HELP,
                           help="a timeline picture (needs matplotlib)")
     draw.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf)")
     draw.add_argument("--trace", help="draw a runtime Chrome-trace JSON instead of a schedule")
@@ -163,28 +164,46 @@ def _stage_costs(values: list[float] | None, num_stages: int, pp: int, raw: bool
     return [values[s // k] / k for s in range(num_stages)]
 
 
-def _compile(name: str, args) -> _C.Program:
-    """Compiles `name` for the CLI request; a cost-driven schedule (one that takes costs, see
-    zbpipe.schedule_options) is built under the costs it will be simulated with. --memory-cap
-    goes to the named schedule (which refuses it unless it takes one), and in --compare only to
-    the schedules that take any cap."""
-    kw = {}
-    if args.memory_cap and (name in CAPPED or not args.compare_mode):
-        kw["memory_cap"] = args.memory_cap
-    if "f" in _C.schedule_options(name):
-        # The CLI's costs are per 1F1B stage, split over the schedule's stages: a unit-cost
-        # build gives the stage count. b_full is the simulator's alone (no builder runs a B).
-        stages = compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank,
-                                  **kw).num_stages
-        costs = _sim_costs(stages, args)
-        kw.update({n: costs[n] for n in ("f", "b", "w", "comm")})
-    return compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank, **kw)
+def _stage_count(name: str, args) -> int:
+    """Stages of the program the request builds. The core has no topology query without a
+    builder run; a one-microbatch build is the cheapest one (the topology does not depend on
+    the microbatch count)."""
+    return _C.build(name, args.pp, 1, args.stages_per_rank or 0).num_stages
 
 
 def _sim_costs(num_stages: int, args) -> dict:
     c = {n: _stage_costs(getattr(args, n), num_stages, args.pp, args.raw_costs, n.replace("_", "-"))
          for n in ("f", "b", "w", "b_full")}
     return {**c, "comm": args.comm}
+
+
+def _compile(name: str, args, memory_cap: int | None) -> _C.Program:
+    """Compiles `name` for the CLI request. A cost-driven schedule (one that takes costs, see
+    zbpipe.schedule_options) is built under the costs it will be simulated with, split over
+    its stages; b_full is the simulator's alone (no builder runs a B)."""
+    kw = {} if memory_cap is None else {"memory_cap": memory_cap}
+    if "f" in schedule_options(name):
+        costs = _sim_costs(_stage_count(name, args), args)
+        kw.update({n: costs[n] for n in ("f", "b", "w", "comm")})
+    return compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank, **kw)
+
+
+def _simulated(prog: _C.Program, args) -> tuple[dict, _C.SimResult]:
+    """The request's costs for `prog` and the simulator's result under them."""
+    costs = _sim_costs(prog.num_stages, args)
+    res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"], b_full=costs["b_full"])
+    return costs, res
+
+
+def _compile_in_compare(name: str, args) -> tuple[_C.Program, bool]:
+    """--compare: --memory-cap goes to every schedule that takes a cap; one that fixes its own
+    cap and refuses this one runs at its own. Returns (program, whether it took the cap)."""
+    if args.memory_cap and "memory_cap" in schedule_options(name):
+        try:
+            return _compile(name, args, args.memory_cap), True
+        except _C.ScheduleError:
+            pass
+    return _compile(name, args, None), False
 
 
 def _memory_line(prog: _C.Program, res: _C.SimResult) -> str:
@@ -223,9 +242,8 @@ def cmd_simulate(args, out) -> int:
     if args.compare:
         return _compare(args, out)
     _check_schedule(args)
-    prog = _compile(args.schedule, args)
-    costs = _sim_costs(prog.num_stages, args)
-    res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"], b_full=costs["b_full"])
+    prog = _compile(args.schedule, args, args.memory_cap)
+    costs, res = _simulated(prog, args)
     print(_header(prog), file=out)
     print(f"costs per stage: f={costs['f']} b={costs['b']} w={costs['w']}"
           + (f" b_full={costs['b_full']}" if costs["b_full"] else "") + f" comm={args.comm:g}",
@@ -244,21 +262,20 @@ def _compare(args, out) -> int:
             raise CliError(f"--{opt} is required")
     if args.schedule is not None:
         raise CliError("--compare runs every schedule; give no SCHEDULE")
-    args.compare_mode = True
-    rows, skipped = [], []
+    rows, skipped, capped = [], [], []
     for name in schedule_names():
         try:
-            prog = _compile(name, args)
-            costs = _sim_costs(prog.num_stages, args)
-            res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"],
-                           b_full=costs["b_full"])
+            prog, took_cap = _compile_in_compare(name, args)
+            _, res = _simulated(prog, args)
         except ValueError as exc:
             skipped.append(f"{name} ({str(exc).splitlines()[0]})")
             continue
+        if took_cap:
+            capped.append(name)
         k = prog.num_stages // prog.pp
         peak = max(res.peak_activations)
         rows.append((name, k, res.makespan, res.bubble_rate, res.idle_rate, peak, peak / k))
-    cap = f", memory_cap={args.memory_cap} for {'/'.join(CAPPED)}" if args.memory_cap else ""
+    cap = f", memory_cap={args.memory_cap} for {'/'.join(capped) or 'no schedule'}" if args.memory_cap else ""
     print(f"pp={args.pp}, microbatches={args.microbatches}, f={args.f} b={args.b} w={args.w} "
           f"comm={args.comm:g}{cap}", file=out)
     print(f"{'schedule':<18}{'stages/rank':>12}{'makespan':>11}{'bubble':>9}{'idle':>9}"
@@ -298,10 +315,8 @@ def cmd_draw(args, out) -> int:
             raise CliError(f"cannot write '{args.output}': {getattr(exc, 'strerror', None) or exc}") from None
     else:
         _check_schedule(args)
-        prog = _compile(args.schedule, args)
-        costs = _sim_costs(prog.num_stages, args)
-        res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"],
-                       b_full=costs["b_full"])
+        prog = _compile(args.schedule, args, args.memory_cap)
+        _, res = _simulated(prog, args)
         boxes, arrows = plot.program_boxes(prog, res, args.comm)
         size = args.size or (1600, 120 + 60 * prog.pp)
         title = (f"{_header(prog)}; bubble {res.bubble_rate:.3f}, "
@@ -329,7 +344,6 @@ def main(argv: list[str] | None = None) -> int:
             args = parser.parse_args(argv)
         except SystemExit as exc:  # --help
             return int(exc.code or 0)
-        args.compare_mode = False
         if args.command is None:
             parser.print_help()
             return 2

@@ -1,0 +1,132 @@
+"""CUDA path: every multi-stage schedule on one rank on a GPU (zbv, interleaved, v_half, v_min,
+dualpipev with and without OVERLAP_F_B overlap, ...), exact against a CPU reference, with
+per-action device timing through c10 events; with two GPUs, NCCL P2P (device_id bound, every
+batch coalesced, waits polled to a deadline): exactness for several schedules and a stopped
+peer failing the other rank in bounded time. Skipped without a GPU (the CPU torch of CI has
+none); benchmarks/gpu_check.sh runs this file on a GPU machine."""
+
+from __future__ import annotations
+
+import copy
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers.asserts import assert_grads_close
+from helpers.model_registry import build, call_chain, data
+from zbpipe.train.launcher import LocalWorld
+
+import zbpipe
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (this torch has none)")
+
+ONE_RANK = ["zbv", "interleaved_1f1b", "interleaved_zb", "looped_bfs", "v_half", "v_min", "dualpipev"]
+UNIT = re.compile(r"^\((\d+)F(\d+);(\d+)[BI](\d+)\)OVERLAP_F_B$")
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        store = tmp_path_factory.mktemp("one_rank_group") / "store"
+        dist.init_process_group("cpu:gloo,cuda:nccl", init_method=f"file://{store}",
+                                rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    return dist.distributed_c10d._get_default_group()
+
+
+@pytest.mark.parametrize("model", ["block", "ckpt"])
+@pytest.mark.parametrize("name,overlap", [(n, True) for n in ONE_RANK] + [("dualpipev", False)])
+def test_multi_stage_schedule_on_one_gpu_exact_against_cpu(one_rank_group, name, overlap, model):
+    dev = torch.device("cuda", 0)
+    m = 4
+    prog = zbpipe.compile(name, 1, m)
+    ref = build(model, prog.num_stages)  # CPU reference
+    mods = [copy.deepcopy(r).to(dev) for r in ref]
+    x, y = data(model, 2 * m)
+    F.mse_loss(call_chain(ref, x), y).backward()
+    stages = [zbpipe.PipelineStage(mod, s, prog.num_stages, dev) for s, mod in enumerate(mods)]
+    sched = zbpipe.get_schedule_class(name)(stages, m, loss_fn=F.mse_loss, device_timing=True,
+                                            overlap_f_b=overlap)
+    sched.step(x.to(dev), target=y.to(dev))
+    torch.cuda.synchronize()
+    assert_grads_close(mods, ref)
+    trace = sched.trace()
+    assert trace and all(r["device_end_us"] >= r["device_start_us"] >= 0.0 for r in trace), trace
+    if name == "dualpipev" and overlap:  # the halves of each unit overlap on the host
+        for a in prog.actions(0):
+            if u := UNIT.match(a):
+                fs, fm, bs, bm = map(int, u.groups())
+                f = next(r for r in trace if r["action"] == f"{fs}F{fm}")
+                b = next(r for r in trace if r["action"] in (f"{bs}B{bm}", f"{bs}I{bm}"))
+                assert b["host_start_ns"] < f["host_end_ns"], (f, b)
+
+
+def _nccl_step(rank, pp, name, stop_rank):
+    """One step on this rank's GPU; (outcome, message, seconds). With stop_rank, that rank's
+    first stage raises in its second forward."""
+    import time
+
+    from zbpipe.train.launcher import rank_device
+
+    dev = rank_device()
+    m = 4 * pp
+    prog = zbpipe.compile(name, pp, m)
+    ns = prog.num_stages
+    ref = build("block", ns)
+    mods = [copy.deepcopy(r).to(dev) for r in ref]
+    x, y = data("block", 2 * m)
+    F.mse_loss(call_chain(ref, x), y).backward()
+    mine = prog.stages_of(rank)
+    if rank == stop_rank:
+        calls = {"n": 0}
+        inner = mods[mine[0]].forward
+
+        def stopping(*a, **k):
+            calls["n"] += torch.is_grad_enabled()
+            if calls["n"] == 2:
+                raise RuntimeError("this rank stops here")
+            return inner(*a, **k)
+
+        mods[mine[0]].forward = stopping
+    stages = [zbpipe.PipelineStage(mods[s], s, ns, dev) for s in mine]
+    cls = zbpipe.get_schedule_class(name)
+    sched = cls(stages if len(stages) > 1 else stages[0], m, loss_fn=F.mse_loss, device_timing=True,
+                timeout=5.0 if stop_rank is not None else 120.0)
+    t0 = time.monotonic()
+    try:
+        sched.step(*((x.to(dev),) if 0 in mine else ()), target=y.to(dev) if ns - 1 in mine else None)
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - reported
+        return (type(e).__name__, str(e)[:3000], time.monotonic() - t0)
+    assert_grads_close([mods[s] for s in mine], [ref[s] for s in mine])
+    assert all(r["device_end_us"] >= r["device_start_us"] >= 0 for r in sched.trace()
+               if "SEND" not in r["action"] and "RECV" not in r["action"]), sched.trace()
+    return ("ok", "", time.monotonic() - t0)
+
+
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
+                              reason="needs two GPUs for NCCL P2P (NCCL refuses two ranks on one GPU)")
+
+
+@pytest.fixture(scope="module")
+def nccl_world():
+    """Two ranks on two GPUs, NCCL for CUDA tensors (Gloo for CPU ones), shared by the module."""
+    with LocalWorld(2, device="cuda") as world:
+        yield world
+
+
+@TWO_GPUS
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev", "interleaved_zb"])
+def test_nccl_two_gpus_exact(nccl_world, name):
+    results = nccl_world.run(_nccl_step, name, None, timeout_s=240)
+    assert all(kind == "ok" for kind, _, _ in results), results
+
+
+@TWO_GPUS
+def test_nccl_stopped_peer_fails_the_other_in_bounded_time(nccl_world):
+    kind, msg, seconds = nccl_world.run(_nccl_step, "1f1b", 1, timeout_s=240)[0]
+    assert kind == "PipelineError" and "from rank 1" in msg, (kind, msg)  # a timeout or NCCL's own error
+    assert seconds < 3 * 5.0 + 30, seconds

@@ -1,0 +1,164 @@
+"""Bad input fails fast and hangs nothing: a batch that does not split into the microbatches, a
+stage whose output shape differs from what the next stage expects (declared, and changing at
+run time), an exception inside a stage, and a peer that dies mid-step. Every surviving rank
+gets a clear error (naming the rank and the failing action, with the program grid) in bounded
+time, and no process is left behind. pp=3 (a middle rank sees neither the input nor the
+target), every scenario on a fresh group in the module's one spawned world (the dead peer's
+test ends that world; the launcher starts a new one after it)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.model_registry import FaultyLinear
+from zbpipe.train.launcher import RankFailure
+
+PP = 3
+WAIT_S = 2.0  # the executor's wait timeout in these tests
+
+
+def _attempt(rank, make_stage, batch=8, n=4, timeout=WAIT_S):
+    """One step on a fresh group; returns (exception type, message, seconds) or ok."""
+    import torch.distributed as dist
+
+    import zbpipe
+
+    group = dist.new_group(list(range(PP)), backend="gloo")
+    torch.manual_seed(0)
+    stage = make_stage(group)
+    sched = zbpipe.Schedule1F1B(stage, n, loss_fn=F.mse_loss, timeout=timeout)
+    x, y = torch.randn(batch, 8), torch.randn(batch, 8)
+    t0 = time.monotonic()
+    try:
+        if rank == 0:
+            sched.step(x)
+        elif rank == PP - 1:
+            sched.step(target=y)
+        else:
+            sched.step()
+    except Exception as e:  # noqa: BLE001 - the result is the point
+        return (type(e).__name__, str(e), time.monotonic() - t0)
+    return ("ok", "", time.monotonic() - t0)
+
+
+def _plain(rank, **kw):
+    """A stage factory: FaultyLinear(**kw) on rank 1, a plain one elsewhere."""
+    import zbpipe
+
+    return lambda group: zbpipe.PipelineStage(FaultyLinear(**(kw if rank == 1 else {})), rank, PP, "cpu", group=group)
+
+
+def _placement(rank):
+    """Stages placed as a loop where the schedule wants a V: refused before any message."""
+    import zbpipe
+
+    mods = [FaultyLinear() for _ in range(2 * PP)]
+    wrong = [zbpipe.PipelineStage(mods[s], s, 2 * PP, "cpu") for s in (rank, rank + PP)]
+    try:
+        zbpipe.ScheduleZBVZeroBubble(wrong, 4, loss_fn=F.mse_loss, timeout=WAIT_S).step(
+            *((torch.randn(8, 8),) if rank == 0 else ()), target=torch.randn(8, 8))
+    except Exception as e:  # noqa: BLE001
+        return (type(e).__name__, str(e), 0.0)
+    return ("ok", "", 0.0)
+
+
+def _scenario(rank, pp, scenario):
+    """A warm-up step (first use, imports and lazy init, may be slow), then the scenario."""
+    import zbpipe
+
+    warm = _attempt(rank, _plain(rank), timeout=60)
+    assert warm[0] == "ok", warm
+    if scenario == "indivisible":
+        return _attempt(rank, _plain(rank), batch=10)
+    if scenario == "declared_shape":
+        return _attempt(rank, lambda g: zbpipe.PipelineStage(
+            FaultyLinear(), rank, PP, "cpu", group=g, input_args=torch.empty(2, 5) if rank == 1 else None))
+    if scenario == "runtime_shape":
+        return _attempt(rank, _plain(rank, shrink_at=3))
+    if scenario == "stage_exception":
+        return _attempt(rank, _plain(rank, fail_at=2))
+    if scenario == "placement":
+        return _placement(rank)
+    if scenario == "plain":
+        return _attempt(rank, _plain(rank))
+    assert scenario == "dies"  # rank 1 dies in its second forward: after the handshake, mid-step
+    return _attempt(rank, _plain(rank, die_at=2))
+
+
+def _check_failure(res, rank, *needles):
+    kind, msg, seconds = res
+    assert kind in ("PipelineError", "ValueError"), (rank, kind, msg)
+    for n in needles:
+        assert n in msg, f"rank {rank}: {n!r} not in:\n{msg}"
+    assert seconds < 10 * WAIT_S + 10, f"rank {rank} took {seconds:.1f}s"  # bounded, not a hang
+
+
+def _run(spawn_world, scenario):
+    return spawn_world(PP).run(_scenario, scenario, timeout_s=180)
+
+
+def test_indivisible_batch_is_told_to_every_rank(spawn_world):
+    for rank, r in enumerate(_run(spawn_world, "indivisible")):
+        # The ranks holding the batch / target say so at once; the middle rank learns it from
+        # them (through the store) instead of waiting for its timeout.
+        if rank in (0, PP - 1):
+            assert r[0] == "ValueError"
+            _check_failure(r, rank, "not divisible by n_microbatches=4")
+        else:
+            _check_failure(r, rank, "rank 1 failed at action", "(before the step)",
+                           "not divisible by n_microbatches=4")
+            assert "rank 0 failed at action" in r[1] or "rank 2 failed at action" in r[1]
+            assert "timeout" not in r[1] and " within " not in r[1]  # told, not timed out
+
+
+def test_declared_shape_mismatch_is_told_by_the_handshake(spawn_world):
+    for rank, r in enumerate(_run(spawn_world, "declared_shape")):
+        _check_failure(r, rank, "stage 1", "input_args", "float32[2, 5]", "float32[2, 8]")
+        assert r[0] == "PipelineError"
+
+
+def test_output_shape_changing_mid_step_is_named_by_its_sender(spawn_world):
+    for rank, r in enumerate(_run(spawn_world, "runtime_shape")):
+        if rank == 1:
+            _check_failure(r, rank, "rank 1 failed at action 1F2",
+                           "(float32[2, 4]) but the pipeline agreed on (float32[2, 8])", ">>1F2<<")
+        else:
+            _check_failure(r, rank, f"rank {rank} failed at action")
+
+
+def test_stage_exception_carries_its_traceback_and_action(spawn_world):
+    for rank, r in enumerate(_run(spawn_world, "stage_exception")):
+        if rank == 1:
+            _check_failure(r, rank, "rank 1 failed at action 1F1", "boom from inside the stage",
+                           "Traceback", ">>1F1<<")
+        else:
+            _check_failure(r, rank, f"rank {rank} failed at action")
+
+
+def test_a_new_group_and_schedule_work_after_failures(spawn_world):
+    _run(spawn_world, "stage_exception")
+    assert [r[0] for r in _run(spawn_world, "plain")] == ["ok"] * PP
+
+
+def test_wrong_stage_placement_is_refused_before_any_message(spawn_world):
+    for rank, r in enumerate(_run(spawn_world, "placement")):
+        if rank != 1:  # rank 1 holds stages 1 and 4 in both layouts: it is told
+            assert r[0] == "ScheduleError", r
+            _check_failure((("ValueError",) + r[1:]), rank,
+                           f"places stages [{rank}, {2 * PP - 1 - rank}] on rank {rank}",
+                           f"given stages [{rank}, {rank + PP}]")
+        else:
+            _check_failure(r, rank, "rank 1 failed at action", "(building the executor)",
+                           "places stages [", "but this rank was given stages [")
+            assert r[1].count("rank 0 failed") + r[1].count("rank 2 failed") == 1
+
+
+def test_dead_peer_fails_survivors_in_bounded_time(spawn_world):
+    with pytest.raises(RankFailure, match="rank 1 failed first: exited with code 3") as info:
+        spawn_world(PP).run(_scenario, "dies", timeout_s=120, settle_s=60)
+    assert sorted(info.value.results) == [0, 2]  # the survivors returned, each with its error
+    for rank, r in info.value.results.items():
+        _check_failure(r, rank, f"zbpipe: rank {rank} failed at action", "rank 1")

@@ -1,0 +1,228 @@
+"""The zbpipe command line: output on small cases, one-line errors with exit status 2, the
+PNG of `draw` (schedule and Chrome trace), and `python -m zbpipe` in a subprocess."""
+
+import json
+import re
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers.subprocess_env import NEUTRAL_CWD, child_env
+
+import zbpipe
+from zbpipe.cli import main
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def png_size(path):
+    data = Path(path).read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert data[12:16] == b"IHDR"
+    return struct.unpack(">II", data[16:24])
+
+
+def test_plan_grid_1f1b(capsys):
+    code, out, _ = run(capsys, "plan", "1f1b", "--pp", "2", "--microbatches", "3")
+    assert code == 0
+    rows = {line.split()[1]: line for line in out.splitlines() if line.startswith("rank ")}
+    # Unit costs: rank 0 runs F0 F1, waits for B0's gradient (F0, B0 on rank 1 = 3 slots)...
+    assert rows["0"].split()[2:] == ["F0", "F1", ".", ".", "B0---", "F2", "B1---", ".", "B2---"]
+    assert rows["1"].split()[2:] == [".", "F0", "B0---", "F1", "B1---", "F2", "B2---"]
+    assert "bubble rate: 0.2500" in out  # (p-1)/(m+p-1)
+    assert "peak activations per rank: [2, 1]" in out
+
+
+def test_plan_v_schedule_marks_second_stage_and_memory_units(capsys):
+    code, out, _ = run(capsys, "plan", "v_min", "--pp", "4", "-m", "8")
+    assert code == 0
+    rank0 = next(line for line in out.splitlines() if line.startswith("rank 0"))
+    assert "F0" in rank0 and "f0" in rank0 and "i0" in rank0 and "W0" in rank0
+    prog = zbpipe.compile("v_min", 4, 8)
+    peaks = list(zbpipe.simulate(prog, 1, 1, 1).peak_activations)
+    assert f"{peaks} (stage, microbatch) units = {[p / 2 for p in peaks]} 1F1B-mb" in out
+
+
+def test_simulate_numbers_match_the_api(capsys):
+    code, out, _ = run(capsys, "simulate", "zb_h1", "--pp", "4", "-m", "8", "--f", "1,2,1,1",
+                       "--b", "1.5", "--w", "0.5", "--comm", "0.25")
+    assert code == 0
+    res = zbpipe.simulate(zbpipe.compile("zb_h1", 4, 8), [1, 2, 1, 1], 1.5, 0.5, 0.25)
+    assert f"makespan: {res.makespan:.4f}" in out
+    assert f"bubble rate: {res.bubble_rate:.4f}" in out
+
+
+def test_simulate_scales_costs_for_more_stages_per_rank(capsys):
+    # zbv runs each 1F1B-stage slice as 2 stages of half the cost; --raw-costs does not.
+    _, scaled, _ = run(capsys, "simulate", "zbv", "--pp", "2", "-m", "4", "--f", "2,4")
+    code, _, err = run(capsys, "simulate", "zbv", "--pp", "2", "-m", "4", "--f", "2,4", "--raw-costs")
+    assert "f=[1.0, 1.0, 2.0, 2.0]" in scaled
+    res = zbpipe.simulate(zbpipe.compile("zbv", 2, 4), [1.0, 1.0, 2.0, 2.0], 0.5, 0.5)
+    assert f"makespan: {res.makespan:.4f}" in scaled
+    assert code == 2 and "one per stage (4), got 2" in err  # raw lists: one value per stage
+
+
+def test_compare_lists_every_schedule_that_accepts(capsys):
+    code, out, _ = run(capsys, "simulate", "--compare", "--pp", "4", "-m", "8", "--memory-cap", "7")
+    assert code == 0
+    listed = {line.split()[0] for line in out.splitlines()[2:] if not line.startswith("skipped")}
+    skipped = {line.split()[1] for line in out.splitlines() if line.startswith("skipped")}
+    assert listed | skipped == set(zbpipe.schedule_names())
+    assert {"1f1b", "zb_h1", "zb_h2", "zbv", "zb_auto", "v_half", "v_min"} <= listed
+    auto = next(line for line in out.splitlines() if line.startswith("zb_auto"))
+    assert float(auto.split()[3]) == pytest.approx(0.0, abs=1e-4)  # cap 7 = 2p-1: no bubble
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["plan", "nope", "--pp", "2", "-m", "2"], "unknown schedule 'nope' (valid: "),
+    (["plan", "1f1b", "--pp", "0", "-m", "2"], "--pp: expected a positive integer"),
+    (["plan", "1f1b", "-m", "2"], "--pp is required"),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--f", "x"], "--f: expected a number"),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--f", "1,2,3"], "--f needs 1 value"),
+    (["simulate", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "3"], "fixes its memory cap"),
+    (["frobnicate"], "invalid choice"),
+    (["draw", "1f1b", "--pp", "2", "-m", "2"], "-o/--output"),
+    (["draw", "--trace", "/nonexistent/trace.json", "-o", "x.png"], "cannot read trace"),
+    (["simulate", "zbv", "--pp", "2", "-m", "4", "--f", "inf"], "--f: costs must be finite"),
+    (["simulate", "zbv", "--pp", "2", "-m", "4", "--b", "1,nan"], "--b: costs must be finite"),
+    (["simulate", "zbv", "--pp", "2", "-m", "4", "--comm", "inf"], "--comm: costs must be finite"),
+    (["draw", "1f1b", "--pp", "2", "-m", "2", "-o", "/nonexistent/x.png"],
+     "cannot write '/nonexistent/x.png': no directory '/nonexistent'"),
+    (["draw", "1f1b", "--pp", "2", "-m", "2", "-o", "x.notaformat"], "cannot write 'x.notaformat'"),
+    (["plan", "PipelineScheduleSingle", "--pp", "2", "-m", "2"], "is a base class, not a schedule"),
+    (["plan", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "3"], "fixes its memory cap"),
+])
+def test_user_errors_are_one_line_exit_2(capsys, argv, needle):
+    code, out, err = run(capsys, *argv)
+    assert code == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("zbpipe: error: "), err
+    assert needle in lines[0]
+    assert "Traceback" not in err
+
+
+def test_plan_takes_a_memory_cap(capsys):
+    code, capped, _ = run(capsys, "plan", "zb_auto", "--pp", "4", "-m", "8", "--memory-cap", "4")
+    assert code == 0
+    _, free, _ = run(capsys, "plan", "zb_auto", "--pp", "4", "-m", "8", "--memory-cap", "7")
+    peaks = list(zbpipe.simulate(zbpipe.compile("zb_auto", 4, 8, memory_cap=4)).peak_activations)
+    assert max(peaks) <= 4 and f"peak activations per rank: {peaks}" in capped
+    assert capped != free  # the cap reached the compiler
+
+
+@pytest.mark.parametrize("torch_name,ours", [("ZBVZeroBubble", "zbv"), ("ScheduleInterleaved1F1B", "interleaved_1f1b"),
+                                             ("1F1B", "1f1b"), ("DualPipeV", "dualpipev")])
+def test_pytorch_schedule_names_are_accepted(capsys, torch_name, ours):
+    argv = ["--pp", "2", "-m", "4"]
+    code, out, err = run(capsys, "plan", torch_name, *argv)
+    assert code == 0, err
+    assert out == run(capsys, "plan", ours, *argv)[1]
+    code, out, _ = run(capsys, "simulate", torch_name, *argv, "--f", "2")
+    assert code == 0 and out == run(capsys, "simulate", ours, *argv, "--f", "2")[1]
+
+
+def test_train_errors_and_help(capsys):
+    code, _, err = run(capsys, "train", "--batch-size", "0")
+    assert code == 2 and "--batch-size must be >= 1" in err
+    assert "Traceback" not in err
+    code, out, _ = run(capsys, "train", "--help")
+    assert code == 0
+    text = " ".join(out.split())  # argparse wraps lines
+    for name in ("zb_auto", "v_half", "v_min"):
+        assert name in text.split("--schedule {")[1].split("}")[0]
+    for default in ("pipeline schedule (default: zbv)", "microbatches per step (default: 8)",
+                    "(whole batch) (default: 32)", "training steps (default: 300)", "(default: 0.003)"):
+        assert default in text, default
+
+
+def test_unknown_schedule_lists_all_valid_names(capsys):
+    _, _, err = run(capsys, "simulate", "zb_h3", "--pp", "2", "-m", "2")
+    for name in zbpipe.schedule_names():
+        assert name in err
+
+
+def test_draw_schedule_png(tmp_path, capsys):
+    out = tmp_path / "sched.png"
+    code, stdout, _ = run(capsys, "draw", "zbv", "--pp", "4", "-m", "8", "--comm", "0.1",
+                          "-o", str(out), "--size", "900x300")
+    assert code == 0 and f"wrote {out}" in stdout
+    assert png_size(out) == (900, 300)
+    assert out.stat().st_size > 5000  # drawn, not blank
+
+
+def test_draw_trace_png(tmp_path, capsys):
+    # The runtime's format: complete events named by action strings, us, pid/tid = rank.
+    events = [{"name": "process_name", "ph": "M", "pid": 0, "args": {"name": "rank 0"}}]
+    t = 0.0
+    for mb in range(3):
+        for rank, act, dur in ((0, f"0F{mb}", 10), (0, f"0SEND_F{mb}", 2), (1, f"1RECV_F{mb}", 2),
+                               (1, f"1F{mb}", 10), (1, f"1B{mb}", 20), (0, f"0B{mb}", 20)):
+            events.append({"name": act, "ph": "X", "ts": t, "dur": dur, "pid": rank, "tid": rank})
+            t += dur
+    trace = tmp_path / "trace.json"
+    trace.write_text(json.dumps({"traceEvents": events}))
+    out = tmp_path / "trace.png"
+    code, _, _ = run(capsys, "draw", "--trace", str(trace), "-o", str(out))
+    assert code == 0
+    assert png_size(out) == (1600, 120 + 60 * 2)
+    # A file with no action-named events is a user error.
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps([{"name": "step", "ph": "X", "ts": 0, "dur": 1, "pid": 0}]))
+    code, _, err = run(capsys, "draw", "--trace", str(bad), "-o", str(out))
+    assert code == 2 and "no events named by schedule actions" in err
+
+
+def test_draw_runtime_trace_lanes(tmp_path, capsys):
+    # zbpipe's runtime: pid = rank, tid 0 host / tid 1 device (different time bases), comm
+    # batches named "A+B". The host lane is drawn unless --trace-tid picks another.
+    events = []
+    for rank in range(3):
+        t = 1e6 + 10 * rank  # host clock: large absolute microseconds
+        for name, dur in ((f"{rank}F0", 5), (f"{rank}SEND_F0+{rank}RECV_B0", 1), (f"{rank}B0", 9)):
+            events.append({"name": name, "ph": "X", "pid": rank, "tid": 0, "ts": t, "dur": dur})
+            events.append({"name": name, "ph": "X", "pid": rank, "tid": 1, "ts": t - 1e6, "dur": dur})
+            t += dur
+    trace = tmp_path / "runtime.json"
+    trace.write_text(json.dumps({"traceEvents": events, "displayTimeUnit": "ms"}))
+    from zbpipe import plot
+
+    host = plot.load_trace(str(trace))
+    assert {b.rank for b in host} == {0, 1, 2} and len(host) == 9
+    assert max(b.end for b in host) == pytest.approx((20 + 15) / 1e3)  # ms from the first event
+    assert sorted({b.kind for b in host}) == ["B", "COMM", "F"]
+    device = plot.load_trace(str(trace), lane=1)
+    assert len(device) == 9
+    out = tmp_path / "lane1.png"
+    code, _, _ = run(capsys, "draw", "--trace", str(trace), "--trace-tid", "1", "-o", str(out))
+    assert code == 0 and png_size(out) == (1600, 120 + 60 * 3)
+    code, _, err = run(capsys, "draw", "--trace", str(trace), "--trace-tid", "7", "-o", str(out))
+    assert code == 2 and "on tid 7" in err
+
+
+def test_train_is_absent_or_forwarded(capsys):
+    from zbpipe import cli
+
+    code, _, err = run(capsys, "train", "--help")
+    if cli._has_train():
+        assert "invalid choice" not in err
+    else:
+        assert code == 2 and "invalid choice: 'train'" in err
+
+
+def test_python_dash_m_subprocess():
+    env, neutral = child_env(), NEUTRAL_CWD
+    ok = subprocess.run([sys.executable, "-m", "zbpipe", "plan", "zb_h1", "--pp", "3", "-m", "4"],
+                        capture_output=True, text=True, env=env, cwd=neutral, timeout=120)
+    assert ok.returncode == 0, ok.stderr
+    assert re.search(r"^rank 2 ", ok.stdout, re.M)
+    bad = subprocess.run([sys.executable, "-m", "zbpipe", "plan", "nope", "--pp", "2", "-m", "2"],
+                         capture_output=True, text=True, env=env, cwd=neutral, timeout=120)
+    assert bad.returncode == 2
+    assert bad.stderr.startswith("zbpipe: error: unknown schedule 'nope'")
+    assert "Traceback" not in bad.stderr

@@ -1,0 +1,233 @@
+"""`zbpipe train` / `python -m zbpipe.train`: pipelined training of a tiny transformer, checked
+against one process.
+
+Spawns `--pp` x `--dp` local ranks (Gloo on 127.0.0.1, or NCCL with --device cuda), splits the
+model of zbpipe.train.model into pipeline stages, trains it on the synthetic Markov
+task with the chosen schedule, and prints step / loss / tokens-per-second from the rank that
+holds the last stage. With `--dp N`, N pipeline replicas each train on 1/N of every batch, their
+stages wrapped in DistributedDataParallel over the replicas of the same stage (the printed loss
+is the mean over replicas, the loss of the whole batch). Then it trains the same model (same seed, same batches, same optimizer) in this one
+process and prints both final losses and their difference: pipelining must not change the math,
+so they agree to float-reassociation tolerance (exit status 1 if they do not).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+import zbpipe
+
+from .data import MarkovTask
+from .launcher import rank_device, run_local
+from .model import TinyConfig, build_stages, lm_loss, stage_io_examples
+from .pipeline import LIBRARIES, build_pipeline, schedule_class, topology, training_schedules
+
+
+class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
+    """--help shows every default, except where the help text already says it."""
+
+    def _get_help_string(self, action):
+        if action.default is None or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="zbpipe train",
+        description="Pipelined training of a tiny transformer, checked against the same model "
+        "trained in one process (same seed, data and optimizer).",
+        formatter_class=_DefaultsHelp,
+    )
+    p.add_argument("--schedule", default="zbv", choices=sorted(training_schedules()), help="pipeline schedule")
+    p.add_argument("--lib", default="zbpipe", choices=LIBRARIES,
+                   help="pipeline library: zbpipe, or torch.distributed.pipelining for comparison")
+    p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
+    p.add_argument("--dp", type=int, default=1,
+                   help="data-parallel replicas of the pipeline (world = pp x dp), DDP-wrapped stages")
+    p.add_argument("--stages-per-rank", type=int, default=None,
+                   help="loop-style multi-stage schedules only (default: the schedule's own)")
+    p.add_argument("--microbatches", type=int, default=8, help="microbatches per step")
+    p.add_argument("--batch-size", type=int, default=32, help="sequences per step (whole batch)")
+    p.add_argument("--steps", type=int, default=300, help="training steps")
+    p.add_argument("--seed", type=int, default=0, help="model, data and init seed")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="cpu (Gloo) or cuda (NCCL)")
+    p.add_argument("--layers", type=int, default=None, help="transformer blocks (default: max(4, stages))")
+    p.add_argument("--optimizer", default="adamw", choices=("adamw", "sgd"), help="optimizer")
+    p.add_argument("--lr", type=float, default=3e-3, help="learning rate (SGD uses 10x)")
+    p.add_argument("--log-every", type=int, default=None, help="progress interval (default: ~10 lines)")
+    p.add_argument("--tol", type=float, default=1e-4,
+                   help="max |pipelined - single| final loss, relative to max(1, |loss|)")
+    p.add_argument("--timeout", type=float, default=600.0, help="whole-run limit in seconds")
+    p.add_argument("--trace", metavar="PREFIX", default=None,
+                   help="--lib zbpipe: write each rank's last-step Chrome trace to PREFIX.rank<r>.json")
+    return p
+
+
+def _config(opts: dict[str, Any], num_stages: int) -> TinyConfig:
+    return TinyConfig(n_layers=opts["layers"] or max(4, num_stages))
+
+
+def _optimizer(opts: dict[str, Any], params: list[nn.Parameter]) -> torch.optim.Optimizer:
+    if opts["optimizer"] == "sgd":
+        return torch.optim.SGD(params, lr=opts["lr"] * 10)  # SGD wants a larger step than Adam
+    return torch.optim.AdamW(params, lr=opts["lr"])
+
+
+def _groups(rank: int, pp: int, dp: int):
+    """(pipeline group, data-parallel group) of `rank`: replica d holds ranks d*pp .. d*pp+pp-1;
+    every rank creates every group, in the same order."""
+    pipes = [dist.new_group([d * pp + i for i in range(pp)]) for d in range(dp)]
+    replicas = [dist.new_group([d * pp + i for d in range(dp)]) for i in range(pp)]
+    return pipes[rank // pp], replicas[rank % pp]
+
+
+def _topology(opts: dict[str, Any]) -> zbpipe.Program:
+    return topology(opts["schedule"], opts["pp"], opts["microbatches"], opts["stages_per_rank"])
+
+
+def _worker(rank: int, world: int, opts: dict[str, Any]) -> list[float] | None:
+    """One pipeline rank: builds every stage from the seed (identical init everywhere), keeps
+    its own, and trains them on its replica's share of each batch; the rank holding the last
+    stage of replica 0 logs and returns the losses (averaged over the replicas)."""
+    pp, dp = opts["pp"], opts["dp"]
+    device = rank_device()
+    replica = rank // pp
+    group, dp_group = _groups(rank, pp, dp) if dp > 1 else (None, None)
+    program = _topology(opts)
+    num_stages = program.num_stages
+    cfg = _config(opts, num_stages)
+    task = MarkovTask(cfg.vocab, cfg.seq_len, opts["seed"])
+    modules = build_stages(cfg, num_stages, opts["seed"])
+    share = opts["batch_size"] // dp
+    mb = share // opts["microbatches"]
+    wrap = (lambda m: DistributedDataParallel(m, process_group=dp_group)) if dp > 1 else None
+    sched, local = build_pipeline(
+        opts["lib"], program, modules, rank % pp, device, lm_loss,
+        group=group, io_examples=lambda s: stage_io_examples(cfg, s, num_stages, mb, device), wrap=wrap,
+    )
+    optim = _optimizer(opts, [p for s in local for p in modules[s].parameters()])
+    first, last = 0 in local, num_stages - 1 in local
+    steps, every = opts["steps"], opts["log_every"]
+    tokens = opts["batch_size"] * cfg.seq_len
+    history: list[float] = []
+    window_t, window_steps = time.perf_counter(), 0
+    for step in range(steps):
+        x, y = (t[replica * share:(replica + 1) * share].to(device) for t in task.batch(step, opts["batch_size"]))
+        optim.zero_grad(set_to_none=True)
+        losses: list[torch.Tensor] = []
+        sched.step(*((x,) if first else ()), target=y if last else None, losses=losses if last else None)
+        optim.step()
+        if not last:
+            continue
+        loss = torch.stack([l.detach().float() for l in losses]).mean()
+        if dp > 1:  # the whole batch's loss: the mean of the replicas' (equal shares)
+            dist.all_reduce(loss, group=dp_group)
+            loss /= dp
+        if replica != 0:
+            continue
+        history.append(float(loss))
+        window_steps += 1
+        if (step + 1) % every == 0 or step + 1 == steps or step == 0:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            now = time.perf_counter()
+            dt = (now - window_t) / window_steps
+            print(f"step {step + 1:>5}/{steps} | loss {history[-1]:.4f} | "
+                  f"{tokens / dt:>9.0f} tok/s | {dt * 1e3:7.2f} ms/step", flush=True)
+            window_t, window_steps = now, 0
+    if opts["trace"]:
+        sched.export_chrome_trace(f"{opts['trace']}.rank{rank}.json")
+    return history if last and replica == 0 else None
+
+
+def _single_process(opts: dict[str, Any], num_stages: int, device: torch.device) -> list[float]:
+    """The same model, data and optimizer in one process, whole batch at once."""
+    cfg = _config(opts, num_stages)
+    task = MarkovTask(cfg.vocab, cfg.seq_len, opts["seed"])
+    model = nn.Sequential(*build_stages(cfg, num_stages, opts["seed"])).to(device)
+    optim = _optimizer(opts, list(model.parameters()))
+    history = []
+    for step in range(opts["steps"]):
+        x, y = (t.to(device) for t in task.batch(step, opts["batch_size"]))
+        optim.zero_grad(set_to_none=True)
+        loss = lm_loss(model(x), y)
+        loss.backward()
+        optim.step()
+        history.append(float(loss.detach()))
+    return history
+
+
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> zbpipe.Program:
+    """Refuses bad arguments (argparse's usage error, exit status 2) before any process starts;
+    returns the schedule's program (its topology)."""
+    if a.pp < 1 or a.microbatches < 1 or a.steps < 1 or a.batch_size < 1 or a.dp < 1:
+        p.error("--pp, --dp, --microbatches, --steps and --batch-size must be >= 1")
+    try:  # zbpipe validates (pp, microbatches, stages per rank) for either library
+        program = _topology(vars(a))
+    except zbpipe.ScheduleError as e:
+        p.error(str(e))
+    try:
+        schedule_class(a.lib, a.schedule)
+    except ValueError as e:
+        p.error(f"--lib {a.lib}: {e}")
+    if a.batch_size % (a.microbatches * a.dp) != 0:
+        p.error(f"--batch-size ({a.batch_size}) must be divisible by --microbatches x --dp "
+                f"({a.microbatches} x {a.dp})")
+    if a.trace and a.lib != "zbpipe":
+        p.error("--trace needs --lib zbpipe")
+    if a.device == "cuda" and torch.cuda.device_count() < a.pp * a.dp:
+        p.error(f"--device cuda needs one GPU per rank: --pp {a.pp} x --dp {a.dp}, "
+                f"found {torch.cuda.device_count()}")
+    if a.layers is not None and a.layers < program.num_stages:
+        p.error(f"--layers ({a.layers}) must be >= the number of stages ({program.num_stages})")
+    return program
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    a = p.parse_args(argv)
+    program = _check_args(p, a)
+    num_stages = program.num_stages
+    opts = vars(a).copy()
+    opts["log_every"] = a.log_every or max(1, a.steps // 10)
+    cfg = _config(opts, num_stages)
+    task = MarkovTask(cfg.vocab, cfg.seq_len, a.seed)
+    print(f"zbpipe train: lib={a.lib} schedule={a.schedule} pp={a.pp} dp={a.dp} stages={num_stages} "
+          f"(stage->rank {list(program.stage_to_rank)}) microbatches={a.microbatches} batch={a.batch_size} "
+          f"steps={a.steps} device={a.device}", flush=True)
+    print(f"model: {cfg.n_layers} blocks d={cfg.d_model} heads={cfg.n_heads} vocab={cfg.vocab} "
+          f"seq={cfg.seq_len}; task: 2nd-order Markov chain, loss floor ~{task.entropy_floor():.3f} "
+          f"nats (uniform {math.log(cfg.vocab):.3f}); optimizer {a.optimizer} lr={a.lr}", flush=True)
+    t0 = time.perf_counter()
+    try:
+        results = run_local(_worker, a.pp * a.dp, (opts,), device=a.device, timeout_s=a.timeout)
+    except KeyboardInterrupt:
+        print("interrupted: all ranks stopped", file=sys.stderr)
+        return 130
+    except (RuntimeError, TimeoutError) as e:
+        print(f"pipelined run failed: {e}", file=sys.stderr)
+        return 1
+    pipe_s = time.perf_counter() - t0
+    piped = next(r for r in results if r is not None)
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)  # like each rank, so the reference does the same float math
+    ref = _single_process(opts, num_stages, torch.device("cuda" if a.device == "cuda" else "cpu"))
+    ref_s = time.perf_counter() - t0
+    diffs = [abs(x - y) for x, y in zip(piped, ref)]
+    diff, worst = diffs[-1], max(diffs)
+    ok = len(piped) == len(ref) and diff <= a.tol * max(1.0, abs(ref[-1]))
+    print(f"wall: pipelined {pipe_s:.1f} s (incl. process start), single-process {ref_s:.1f} s")
+    print(f"final loss: pipelined {piped[-1]:.6f} | single-process {ref[-1]:.6f} | "
+          f"diff {diff:.2e} (max over {len(diffs)} steps {worst:.2e}, tol {a.tol:.0e}) "
+          f"{'MATCH' if ok else 'MISMATCH'}", flush=True)
+    return 0 if ok else 1
