@@ -7,7 +7,10 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
+#include <cstdint>
 #include <fstream>
+#include <map>
 #include <optional>
 #include <sstream>
 
@@ -15,8 +18,11 @@
 #include "zbpipe/compile.h"
 #include "zbpipe/csv_format.h"
 #include "zbpipe/error.h"
+#include "zbpipe/limits.h"
 #include "zbpipe/passes.h"
 #include "zbpipe/simulator.h"
+#include "python/arguments.h"
+#include "python/interrupt.h"
 #include "runtime/errors.h"
 #include "runtime/executor.h"
 #include "runtime/loopback.h"
@@ -26,6 +32,9 @@
 
 namespace py = pybind11;
 using namespace zbpipe;
+using zbpipe::python::arg;
+using zbpipe::python::str_arg;
+using zbpipe::python::interruptible;
 
 namespace {
 
@@ -40,6 +49,19 @@ CostModel make_costs(std::vector<double> f, std::vector<double> b, std::vector<d
   return c;
 }
 
+// The sizes of a compile/build request, checked against the limits (limits.h) on the caller's
+// 64-bit values before they narrow to BuildArgs' ints.
+BuildArgs build_args(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank) {
+  find_schedule(name);  // an unknown name is the first thing to say
+  check_build_size(name, pp, microbatches, stages_per_rank);
+  auto narrow = [](int64_t v) { return static_cast<int>(std::max<int64_t>(v, INT32_MIN)); };
+  BuildArgs args;
+  args.pp = narrow(pp);
+  args.microbatches = narrow(microbatches);
+  args.stages_per_rank = narrow(stages_per_rank);
+  return args;
+}
+
 std::vector<std::string> action_strings(const Program& p, int rank, bool compute_only) {
   ZB_SCHEDULE_CHECK(rank >= 0 && rank < p.pp, "rank must be in [0, ", p.pp, "), got rank=", rank);
   std::vector<std::string> out;
@@ -50,17 +72,27 @@ std::vector<std::string> action_strings(const Program& p, int rank, bool compute
 }
 
 Program program_from_lists(const std::vector<std::vector<std::string>>& ranks,
-                           const std::vector<int>& stage_to_rank, int microbatches,
+                           const std::vector<int>& stage_to_rank, int64_t microbatches,
                            const std::string& name, bool rendezvous) {
+  int64_t actions = 0;
+  for (const auto& row : ranks) actions += static_cast<int64_t>(row.size());
+  check_program_size(zbpipe::detail::str("Program.from_actions('", name, "')"),
+                     {static_cast<int64_t>(ranks.size()), static_cast<int64_t>(stage_to_rank.size()),
+                      microbatches, actions});
   Program p;
   p.schedule = name;
   p.pp = static_cast<int>(ranks.size());
   p.stage_to_rank = stage_to_rank;
   p.num_stages = static_cast<int>(stage_to_rank.size());
-  p.microbatches = microbatches;
+  // At most the limit here; a negative one stays negative for validate() to name.
+  p.microbatches = static_cast<int>(std::max<int64_t>(microbatches, INT32_MIN));
   for (const auto& row : ranks) {
     std::vector<Action> acts;
-    for (const auto& s : row) acts.push_back(parse_action(s));
+    acts.reserve(row.size());
+    for (const auto& s : row) {
+      poll_cancel();
+      acts.push_back(parse_action(s));
+    }
     p.ranks.push_back(std::move(acts));
   }
   if (p.has_comms()) validate(p);
@@ -81,7 +113,9 @@ void register_core(py::module_& m) {
       .value("OVERLAP_F_B", Kind::OVERLAP_F_B);
 
   py::class_<Action>(m, "Action", "One schedule action; str() is PyTorch's canonical form.")
-      .def_static("parse", [](const std::string& s) { return parse_action(s); })
+      .def_static("parse", [](const py::object& text) {
+             return parse_action(str_arg(text, "Action.parse", "text", "an action string such as '2F0'"));
+           }, py::arg("text"))
       .def_readonly("stage", &Action::stage)
       .def_readonly("kind", &Action::kind)
       .def_readonly("microbatch", &Action::microbatch)
@@ -120,24 +154,46 @@ void register_core(py::module_& m) {
              ZB_CHECK(f.good(), "cannot open '", path, "' for writing");
              f << to_csv(p);
            }, py::arg("path"), "Writes the program in PyTorch's CSV layout (one row per rank).")
-      .def_static("from_csv", [](const std::string& path, bool rendezvous) {
-             std::ifstream f(path, std::ios::binary);
-             ZB_SCHEDULE_CHECK(f.good(), "cannot open CSV schedule '", path, "'");
-             std::stringstream ss;
-             ss << f.rdbuf();
-             Program p = from_csv(ss.str());
-             if (rendezvous) validate_rendezvous(p);
-             return p;
+      .def_static("from_csv", [](const py::object& path_arg, const py::object& rendezvous_arg) {
+             const char* fn = "Program.from_csv";
+             const std::string path = zbpipe::python::path_arg(path_arg, fn, "path");
+             const bool rendezvous = arg<bool>(rendezvous_arg, fn, "rendezvous", "a bool");
+             return interruptible([&] {
+               std::ifstream f(path, std::ios::binary);
+               ZB_SCHEDULE_CHECK(f.good(), "cannot open CSV schedule '", path, "'");
+               std::stringstream ss;
+               ss << f.rdbuf();
+               Program p = from_csv(ss.str());
+               if (rendezvous) validate_rendezvous(p);
+               return p;
+             });
            }, py::arg("path"), py::arg("rendezvous") = false,
            "Loads a PyTorch CSV schedule (compute-only is lowered), validated; rendezvous=True "
            "also checks it with NCCL's rendezvous sends (see zbpipe._C.validate).")
-      .def_static("from_csv_text", [](const std::string& text, bool rendezvous) {
-             Program p = from_csv(text);
-             if (rendezvous) validate_rendezvous(p);
-             return p;
+      .def_static("from_csv_text", [](const py::object& text_arg, const py::object& rendezvous_arg) {
+             const char* fn = "Program.from_csv_text";
+             const std::string text = str_arg(text_arg, fn, "text");
+             const bool rendezvous = arg<bool>(rendezvous_arg, fn, "rendezvous", "a bool");
+             return interruptible([&] {
+               Program p = from_csv(text);
+               if (rendezvous) validate_rendezvous(p);
+               return p;
+             });
            }, py::arg("text"), py::arg("rendezvous") = false)
-      .def_static("from_actions", &program_from_lists, py::arg("ranks"), py::arg("stage_to_rank"),
-                  py::arg("microbatches"), py::arg("name") = "custom", py::arg("rendezvous") = false,
+      .def_static("from_actions", [](const py::object& ranks, const py::object& stage_to_rank,
+                                     const py::object& microbatches, const py::object& name,
+                                     const py::object& rendezvous) {
+             const char* fn = "Program.from_actions";
+             auto r = arg<std::vector<std::vector<std::string>>>(
+                 ranks, fn, "ranks", "a list of lists of action strings (one list per rank)");
+             auto map = arg<std::vector<int>>(stage_to_rank, fn, "stage_to_rank",
+                                              "a list of ints (the rank of each stage)");
+             auto mb = arg<int64_t>(microbatches, fn, "microbatches", "an int");
+             auto n = str_arg(name, fn, "name");
+             auto rv = arg<bool>(rendezvous, fn, "rendezvous", "a bool");
+             return interruptible([&] { return program_from_lists(r, map, mb, n, rv); });
+           }, py::arg("ranks"), py::arg("stage_to_rank"), py::arg("microbatches"),
+           py::arg("name") = "custom", py::arg("rendezvous") = false,
                   "Builds a program from per-rank action strings (lowered if compute-only), "
                   "validated; rendezvous=True also with NCCL's rendezvous sends.")
       .def("compute_only", &strip_comms)
@@ -152,7 +208,7 @@ void register_core(py::module_& m) {
     for (const auto& info : schedule_registry()) out.emplace_back(info.name, info.summary);
     return out;
   });
-  m.def("compile", [](const std::string& name, int pp, int microbatches, int stages_per_rank,
+  m.def("compile", [](const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank,
                       std::optional<std::vector<double>> f, std::optional<std::vector<double>> b,
                       std::optional<std::vector<double>> w,
                       std::optional<std::vector<double>> b_full, std::optional<double> comm,
@@ -160,10 +216,7 @@ void register_core(py::module_& m) {
                       std::optional<int> search_threads) {
           // An option left at None is not given: the schedule's default applies and no schedule
           // refuses it (see check_options).
-          BuildArgs args;
-          args.pp = pp;
-          args.microbatches = microbatches;
-          args.stages_per_rank = stages_per_rank;
+          BuildArgs args = build_args(name, pp, microbatches, stages_per_rank);
           auto take = [&](const char* option, auto& from, auto& to) {
             if (!from) return;
             to = std::move(*from);
@@ -180,29 +233,35 @@ void register_core(py::module_& m) {
             args.given.emplace_back("exhaustive_search");
           }
           take("search_threads", search_threads, args.search_threads);
-          py::gil_scoped_release nogil;
-          return compile(name, args);
+          return interruptible([&] { return compile(name, args); });
         }, py::arg("name"), py::arg("pp"), py::arg("microbatches"), py::arg("stages_per_rank") = 0,
         py::arg("f") = py::none(), py::arg("b") = py::none(), py::arg("w") = py::none(),
         py::arg("b_full") = py::none(), py::arg("comm") = py::none(),
         py::arg("memory_cap") = py::none(), py::arg("exhaustive_search") = false,
         py::arg("search_threads") = py::none());
+  m.def("size_limits", [] {
+          return std::map<std::string, int64_t>{{"pp", kMaxPipelineRanks}, {"stages", kMaxStages},
+                                                {"microbatches", kMaxMicrobatches},
+                                                {"stages_x_microbatches", kMaxCells},
+                                                {"actions", kMaxActions},
+                                                {"bytes_per_stage_microbatch", kBytesPerCell}};
+        }, "The largest program zbpipe accepts (see csrc/include/zbpipe/limits.h); larger requests "
+           "raise ScheduleError before allocating.");
   m.def("search_thread_count", &search_thread_count, py::arg("search_threads") = 0,
         "The threads zb_auto / v_half / v_min search on for a search_threads value (0 = the "
         "default: the CPUs this process may run on, at most 8).");
   m.def("schedule_options", [](const std::string& name) { return find_schedule(name).options; },
         py::arg("name"), "The compile options (costs, memory_cap) the schedule's builder uses.");
-  m.def("build", [](const std::string& name, int pp, int microbatches, int stages_per_rank) {
-          BuildArgs args;
-          args.pp = pp;
-          args.microbatches = microbatches;
-          args.stages_per_rank = stages_per_rank;
-          return find_schedule(name).build(args);
+  m.def("build", [](const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank) {
+          const BuildArgs args = build_args(name, pp, microbatches, stages_per_rank);
+          return interruptible([&] { return build(name, args); });
         }, py::arg("name"), py::arg("pp"), py::arg("microbatches"), py::arg("stages_per_rank") = 0,
         "Runs only the builder: the compute-only program, not lowered or validated.");
   m.def("validate", [](const Program& p, bool rendezvous) {
-          validate(p);
-          if (rendezvous) validate_rendezvous(p);
+          interruptible([&] {
+            validate(p);
+            if (rendezvous) validate_rendezvous(p);
+          });
         }, py::arg("program"), py::arg("rendezvous") = false,
         "Checks the program (ScheduleError on a violation). rendezvous=True also runs it with "
         "sends that complete only once their receive is posted, as on NCCL.");
@@ -213,8 +272,10 @@ void register_core(py::module_& m) {
           return out;
         }, py::arg("program"), py::arg("rank"), py::arg("split_overlap") = true,
         "The runtime's batches of `rank`: (begin, end, after_f_half) action index ranges.");
-  m.def("insert_send_recv", &insert_send_recv, py::arg("program"));
-  m.def("lower", &lower, py::arg("compute_only"), "insert_send_recv, then validate.");
+  m.def("insert_send_recv", [](const Program& p) { return interruptible([&] { return insert_send_recv(p); }); },
+        py::arg("program"));
+  m.def("lower", [](const Program& p) { return interruptible([&] { return lower(p); }); },
+        py::arg("compute_only"), "insert_send_recv, then validate.");
   m.def("strip_backward", &strip_backward, py::arg("compute_only"),
         "The forwards of a compute-only program, same order and topology.");
 
@@ -240,7 +301,8 @@ void register_core(py::module_& m) {
       });
   m.def("simulate", [](const Program& p, std::vector<double> f, std::vector<double> b,
                        std::vector<double> w, std::vector<double> b_full, double comm) {
-          return simulate(p, make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm));
+          const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm);
+          return interruptible([&] { return simulate(p, costs); });
         }, py::arg("program"), py::arg("f"), py::arg("b"), py::arg("w"),
         py::arg("b_full") = std::vector<double>{}, py::arg("comm") = 0.0);
 }
