@@ -5,24 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from . import _C
+from . import _C, _door
 
 Cost = float | Sequence[float]
 
 
-def _as_list(name: str, value: Cost | None) -> list[float]:
-    if value is None:
-        return []
-    if isinstance(value, (int, float)):
-        return [float(value)]
-    values = [float(v) for v in value]
-    if not values:
-        raise _C.ScheduleError(f"cost '{name}' needs at least one value")
-    return values
-
-
-def _given_list(name: str, value: Cost | None) -> list[float] | None:
-    return None if value is None else _as_list(name, value)
+def _given(name: str, value: Cost | None) -> list[float] | None:
+    return None if value is None else _door.costs("compile", name, value)
 
 
 def schedule_names() -> list[str]:
@@ -54,18 +43,21 @@ def compile(
     sets how many threads share their search grid (default: one per CPU this process may run
     on, at most 8); the program is the same for every value.
     """
+    def optional_int(name, value):
+        return None if value is None else _door.integer("compile", name, value, bits=32)
+
     return _C.compile(
-        schedule,
-        pp,
-        microbatches,
-        stages_per_rank or 0,
-        f=_given_list("f", f),
-        b=_given_list("b", b),
-        w=_given_list("w", w),
-        b_full=_given_list("b_full", b_full),
-        comm=None if comm is None else float(comm),
-        memory_cap=memory_cap,
-        search_threads=search_threads,
+        _door.text("compile", "schedule", schedule),
+        _door.integer("compile", "pp", pp),
+        _door.integer("compile", "microbatches", microbatches),
+        0 if stages_per_rank is None else _door.integer("compile", "stages_per_rank", stages_per_rank),
+        f=_given("f", f),
+        b=_given("b", b),
+        w=_given("w", w),
+        b_full=_given("b_full", b_full),
+        comm=None if comm is None else _door.number("compile", "comm", comm),
+        memory_cap=optional_int("memory_cap", memory_cap),
+        search_threads=optional_int("search_threads", search_threads),
     )
 
 
@@ -85,11 +77,13 @@ def simulate(
 ) -> _C.SimResult:
     """Simulates `program`: f forward, b backward-input, w backward-weight (per stage or one
     value); a full backward B costs b + w unless b_full is given; comm is the cross-rank latency."""
+    if not isinstance(program, _C.Program):
+        raise _door.wrong_type("simulate", "program", "a zbpipe.Program", program)
     return _C.simulate(
         program,
-        _as_list("f", f),
-        _as_list("b", b),
-        _as_list("w", w),
-        _as_list("b_full", b_full),
-        float(comm),
+        _door.costs("simulate", "f", f),
+        _door.costs("simulate", "b", b),
+        _door.costs("simulate", "w", w),
+        [] if b_full is None else _door.costs("simulate", "b_full", b_full),
+        _door.number("simulate", "comm", comm),
     )

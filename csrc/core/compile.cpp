@@ -1,7 +1,11 @@
-// The compile pipeline: build (compute only) -> insert_send_recv -> validate.
+// The compile pipeline: size check -> build (compute only) -> insert_send_recv -> validate.
 #include "zbpipe/compile.h"
 
+#include <algorithm>
+#include <limits>
+
 #include "zbpipe/error.h"
+#include "zbpipe/limits.h"
 #include "zbpipe/passes.h"
 
 namespace zbpipe {
@@ -14,10 +18,29 @@ Program lower(const Program& compute_only) {
   return lowered;
 }
 
-Program compile(const std::string& schedule, const BuildArgs& args) {
+void check_build_size(const std::string& schedule, int64_t pp, int64_t microbatches,
+                      int64_t stages_per_rank) {
+  const int64_t spr = std::max<int64_t>(stages_per_rank, 1);
+  // Saturates instead of overflowing: any such count is refused.
+  const int64_t stages = pp <= 0 ? 0
+                         : pp > std::numeric_limits<int64_t>::max() / spr
+                             ? std::numeric_limits<int64_t>::max()
+                             : pp * spr;
+  check_program_size(detail::str("schedule '", schedule, "' (pp=", pp, ", microbatches=",
+                                 microbatches, stages_per_rank > 0 ? ", stages_per_rank=" : "",
+                                 stages_per_rank > 0 ? std::to_string(stages_per_rank) : "", ")"),
+                     {pp, stages, microbatches});
+}
+
+Program build(const std::string& schedule, const BuildArgs& args) {
   const ScheduleInfo& info = find_schedule(schedule);
-  check_options(info, args);
-  return lower(info.build(args));
+  check_build_size(schedule, args.pp, args.microbatches, args.stages_per_rank);
+  return info.build(args);
+}
+
+Program compile(const std::string& schedule, const BuildArgs& args) {
+  check_options(find_schedule(schedule), args);
+  return lower(build(schedule, args));
 }
 
 }  // namespace zbpipe

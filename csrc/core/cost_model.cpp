@@ -1,6 +1,8 @@
 // CostModel accessors: one value per stage or one for all.
 #include "zbpipe/cost_model.h"
 
+#include <cmath>
+
 #include "zbpipe/error.h"
 
 namespace zbpipe {
@@ -8,12 +10,18 @@ namespace zbpipe {
 namespace {
 double pick(const std::vector<double>& v, int stage) { return v.size() == 1 ? v[0] : v.at(stage); }
 
+// inf or nan would make every time inf or nan: the list scheduler could not order anything,
+// and the simulator's bubble rate would be nan.
+void check_value(const char* name, double x) {
+  ZB_SCHEDULE_CHECK(std::isfinite(x) && x >= 0.0, "cost '", name,
+                    "' must be finite and non-negative, got ", x);
+}
+
 void check_vec(const char* name, const std::vector<double>& v, int num_stages, bool may_be_empty) {
   if (v.empty() && may_be_empty) return;
   ZB_SCHEDULE_CHECK(v.size() == 1 || static_cast<int>(v.size()) == num_stages, "cost '", name,
                     "' needs 1 value or one per stage (", num_stages, "), got ", v.size());
-  for (double x : v)
-    ZB_SCHEDULE_CHECK(x >= 0.0, "cost '", name, "' must be non-negative, got ", x);
+  for (double x : v) check_value(name, x);
 }
 }  // namespace
 
@@ -29,7 +37,7 @@ void CostModel::check(int num_stages) const {
   check_vec("b", b, num_stages, false);
   check_vec("w", w, num_stages, false);
   check_vec("b_full", b_full, num_stages, true);
-  ZB_SCHEDULE_CHECK(comm >= 0.0, "cost 'comm' must be non-negative, got ", comm);
+  check_value("comm", comm);
 }
 
 }  // namespace zbpipe

@@ -2,10 +2,13 @@
 #include "zbpipe/csv_format.h"
 
 #include <algorithm>
+#include <cstdint>
 
 #include "passes/action_table.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/compile.h"
 #include "zbpipe/error.h"
+#include "zbpipe/limits.h"
 #include "zbpipe/passes.h"
 
 namespace zbpipe {
@@ -22,10 +25,34 @@ bool is_fsdp_bookkeeping(std::string_view cell) {
   return false;
 }
 
+bool is_blank(char c) { return c == ' ' || c == '\t' || c == '\r'; }
+
 std::string_view trim(std::string_view s) {
-  while (!s.empty() && (s.front() == ' ' || s.front() == '\t' || s.front() == '\r')) s.remove_prefix(1);
-  while (!s.empty() && (s.back() == ' ' || s.back() == '\t' || s.back() == '\r')) s.remove_suffix(1);
+  while (!s.empty() && is_blank(s.front())) s.remove_prefix(1);
+  while (!s.empty() && is_blank(s.back())) s.remove_suffix(1);
   return s;
+}
+
+// What from_csv would allocate for, counted in one pass over the text: the rows up to the last
+// line with a cell, and the non-blank cells.
+struct CsvShape {
+  int64_t rows = 0, cells = 0;
+};
+CsvShape measure_csv(std::string_view text) {
+  CsvShape shape;
+  int64_t line = 1;
+  bool in_cell = false;
+  for (char c : text) {
+    if (c == '\n' || c == ',') {
+      if (c == '\n') ++line;
+      in_cell = false;
+    } else if (!is_blank(c) && !in_cell) {
+      in_cell = true;
+      ++shape.cells;
+      shape.rows = line;
+    }
+  }
+  return shape;
 }
 }  // namespace
 
@@ -42,10 +69,16 @@ std::string to_csv(const Program& p) {
 }
 
 Program from_csv(const std::string& text) {
+  // Refuse oversized input before allocating in proportion to it (limits.h).
+  const CsvShape shape = measure_csv(text);
+  check_program_size("CSV schedule", {shape.rows, 0, 0, shape.cells});
   Program p;
   p.schedule = "csv";
-  size_t line_no = 0, begin = 0;
-  while (begin < text.size()) {
+  p.ranks.reserve(static_cast<size_t>(shape.rows));
+  size_t begin = 0;
+  int64_t line_no = 0;
+  while (begin < text.size() && line_no < shape.rows) {  // the blank lines after are no ranks
+    poll_cancel();
     size_t nl = text.find('\n', begin);
     std::string_view line(text.data() + begin, (nl == std::string::npos ? text.size() : nl) - begin);
     begin = nl == std::string::npos ? text.size() : nl + 1;
@@ -81,6 +114,7 @@ Program from_csv(const std::string& text) {
       }
   p.num_stages = max_stage + 1;
   p.microbatches = max_mb + 1;
+  check_program_size("CSV schedule", {p.pp, p.num_stages, p.microbatches});
   p.stage_to_rank.assign(p.num_stages, -1);
   for (int r = 0; r < p.pp; ++r)
     for (const auto& a : p.ranks[r])

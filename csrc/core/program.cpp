@@ -2,6 +2,9 @@
 #include "zbpipe/program.h"
 
 #include <algorithm>
+#include <utility>
+
+#include "zbpipe/error.h"
 
 namespace zbpipe {
 
@@ -19,17 +22,32 @@ bool Program::has_comms() const {
   return false;
 }
 
+namespace {
+// The window of [0, n) of at most `most` entries that centres `mark` (starts at 0 without one).
+std::pair<size_t, size_t> window(size_t n, size_t most, int mark) {
+  if (n <= most) return {0, n};
+  size_t begin = mark < 0 ? 0 : static_cast<size_t>(mark) >= most / 2 ? mark - most / 2 : 0;
+  begin = std::min(begin, n - most);
+  return {begin, begin + most};
+}
+}  // namespace
+
 std::string format_program(const Program& p, int mark_rank, int mark_index) {
   size_t rows = 0;
   for (const auto& acts : p.ranks) rows = std::max(rows, acts.size());
-  std::vector<std::vector<std::string>> cells(p.ranks.size());
-  size_t width = 6;
-  for (size_t r = 0; r < p.ranks.size(); ++r) {
-    for (size_t i = 0; i < p.ranks[r].size(); ++i) {
+  // Only a window of a large program: every error message carries this grid, and the whole of
+  // it grows as ranks x the longest rank (quadratic in the actions).
+  const auto [r0, r1] = window(p.ranks.size(), kGridRanks, mark_rank);
+  const auto [i0, i1] = window(rows, kGridSteps, mark_index);
+  std::vector<std::vector<std::string>> cells(r1 - r0);
+  // Wide enough for every shown cell and header ("rank 16383"), so columns never touch.
+  size_t width = std::max<size_t>(6, r1 > 0 ? 5 + std::to_string(r1 - 1).size() : 0);
+  for (size_t r = r0; r < r1; ++r) {
+    for (size_t i = i0; i < std::min(i1, p.ranks[r].size()); ++i) {
       std::string c = to_string(p.ranks[r][i]);
       if (static_cast<int>(r) == mark_rank && static_cast<int>(i) == mark_index) c = ">>" + c + "<<";
       width = std::max(width, c.size());
-      cells[r].push_back(std::move(c));
+      cells[r - r0].push_back(std::move(c));
     }
   }
   width += 1;
@@ -37,16 +55,24 @@ std::string format_program(const Program& p, int mark_rank, int mark_index) {
     s.resize(std::max(s.size(), width), ' ');
     return s;
   };
-  std::string out = pad("step");
-  for (size_t r = 0; r < p.ranks.size(); ++r) out += pad("rank " + std::to_string(r));
+  std::string out;
+  if (r1 - r0 < p.ranks.size())
+    out += detail::str("(ranks ", r0, " to ", r1 - 1, " of ", p.ranks.size(), " shown)\n");
+  out += pad("step");
+  for (size_t r = r0; r < r1; ++r) out += pad("rank " + std::to_string(r));
   out += '\n';
-  for (size_t i = 0; i < rows; ++i) {
+  if (i0 > 0) out += detail::str("(", i0, " steps before not shown)\n");
+  for (size_t i = i0; i < i1; ++i) {
     std::string line = pad(std::to_string(i));
-    for (size_t r = 0; r < p.ranks.size(); ++r) line += pad(i < cells[r].size() ? cells[r][i] : "");
+    for (size_t r = r0; r < r1; ++r) {
+      const auto& mine = cells[r - r0];
+      line += pad(i - i0 < mine.size() ? mine[i - i0] : "");
+    }
     while (!line.empty() && line.back() == ' ') line.pop_back();
     out += line;
     out += '\n';
   }
+  if (i1 < rows) out += detail::str("(", rows - i1, " steps after not shown)\n");
   return out;
 }
 

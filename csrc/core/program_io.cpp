@@ -1,12 +1,16 @@
 // Programs as text: action strings per rank, CSV text and CSV files (see program_io.h).
 #include "zbpipe/program_io.h"
 
+#include <algorithm>
+#include <cstdint>
 #include <fstream>
 #include <sstream>
 
+#include "zbpipe/cancel.h"
 #include "zbpipe/compile.h"
 #include "zbpipe/csv_format.h"
 #include "zbpipe/error.h"
+#include "zbpipe/limits.h"
 #include "zbpipe/passes.h"
 
 namespace zbpipe {
@@ -33,18 +37,27 @@ std::vector<std::string> action_strings(const Program& p, int rank, bool compute
 }
 
 Program program_from_actions(const std::vector<std::vector<std::string>>& ranks,
-                             const std::vector<int>& stage_to_rank, int microbatches,
+                             const std::vector<int>& stage_to_rank, int64_t microbatches,
                              const std::string& name, bool rendezvous) {
+  int64_t actions = 0;
+  for (const auto& row : ranks) actions += static_cast<int64_t>(row.size());
+  check_program_size(detail::str("Program.from_actions('", name, "')"),
+                     {static_cast<int64_t>(ranks.size()), static_cast<int64_t>(stage_to_rank.size()),
+                      microbatches, actions});
   Program p;
   p.schedule = name;
   p.pp = static_cast<int>(ranks.size());
   p.stage_to_rank = stage_to_rank;
   p.num_stages = static_cast<int>(stage_to_rank.size());
-  p.microbatches = microbatches;
+  // At most the limit here; a negative one stays negative for validate() to name.
+  p.microbatches = static_cast<int>(std::max<int64_t>(microbatches, INT32_MIN));
   for (const auto& row : ranks) {
     std::vector<Action> acts;
     acts.reserve(row.size());
-    for (const auto& s : row) acts.push_back(parse_action(s));
+    for (const auto& s : row) {
+      poll_cancel();
+      acts.push_back(parse_action(s));
+    }
     p.ranks.push_back(std::move(acts));
   }
   if (p.has_comms()) validate(p);

@@ -3,6 +3,7 @@
 
 #include "zbpipe/builders.h"
 #include "zbpipe/error.h"
+#include "zbpipe/limits.h"
 #include "zbpipe/topology.h"
 
 namespace zbpipe {
@@ -105,6 +106,10 @@ int resolve_stages_per_rank(const std::string& schedule, const BuildArgs& a, int
 
 Program make_program(const std::string& schedule, const BuildArgs& a, int stages_per_rank,
                      const std::string& topology) {
+  // Every builder lays its program out here, so the exact stage count is checked once more.
+  check_program_size(detail::str("schedule '", schedule, "' (pp=", a.pp, ", microbatches=",
+                                 a.microbatches, ", stages_per_rank=", stages_per_rank, ")"),
+                     {a.pp, static_cast<int64_t>(a.pp) * stages_per_rank, a.microbatches});
   Program p;
   p.schedule = schedule;
   p.pp = a.pp;

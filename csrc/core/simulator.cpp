@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "passes/action_table.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 
@@ -58,7 +59,9 @@ SimResult simulate(const Program& p, const CostModel& costs) {
     progress = false;
     for (int r = 0; r < p.pp; ++r) {
       const auto& acts = p.ranks[r];
+      poll_cancel();
       while (next[r] < acts.size()) {
+        poll_cancel();
         const Action& a = acts[next[r]];
         if (is_comm(a.kind)) {  // takes no rank time; data readiness is modelled on computes
           ++next[r];

@@ -37,7 +37,7 @@ void register_actions(py::module_& m) {
       .value("OVERLAP_F_B", Kind::OVERLAP_F_B);
 
   py::class_<Action>(m, "Action", "One schedule action; str() is PyTorch's canonical form.")
-      .def_static("parse", &parse_action, py::arg("text"), "The action of a canonical string (ScheduleError otherwise).")
+      .def_static("parse", &parse_action_arg, py::arg("text"), "The action of a canonical string (ScheduleError otherwise).")
       .def_readonly("stage", &Action::stage)
       .def_readonly("kind", &Action::kind)
       .def_readonly("microbatch", &Action::microbatch)
@@ -70,12 +70,12 @@ void register_program(py::module_& m) {
            "The per-rank grid; the action at (mark_rank, mark_index) is marked >> <<.")
       .def("to_csv", &write_csv_file, py::arg("path"), "Writes the program in PyTorch's CSV layout (one row per rank).")
       .def("to_csv_text", py::overload_cast<const Program&>(&zbpipe::to_csv), "The program in PyTorch's CSV layout, as text.")
-      .def_static("from_csv", &read_csv_file, py::arg("path"), py::arg("rendezvous") = false,
+      .def_static("from_csv", &program_from_csv_arg, py::arg("path"), py::arg("rendezvous") = false,
                   "Loads a PyTorch CSV schedule file (compute-only is lowered), validated; rendezvous=True "
                   "also checks it with NCCL's rendezvous sends (see zbpipe._C.validate).")
-      .def_static("from_csv_text", &program_from_csv_text, py::arg("text"), py::arg("rendezvous") = false,
+      .def_static("from_csv_text", &program_from_csv_text_arg, py::arg("text"), py::arg("rendezvous") = false,
                   "from_csv on CSV text instead of a file.")
-      .def_static("from_actions", &program_from_actions, py::arg("ranks"), py::arg("stage_to_rank"),
+      .def_static("from_actions", &program_from_actions_arg, py::arg("ranks"), py::arg("stage_to_rank"),
                   py::arg("microbatches"), py::arg("name") = "custom", py::arg("rendezvous") = false,
                   "Builds a program from per-rank action strings (lowered if compute-only), "
                   "validated; rendezvous=True also with NCCL's rendezvous sends.")
@@ -92,6 +92,9 @@ void register_compile(py::module_& m) {
         py::arg("memory_cap") = py::none(), py::arg("exhaustive_search") = false,
         py::arg("search_threads") = py::none(),
         "Builds, lowers and validates a schedule; options left at None are not given.");
+  m.def("size_limits", &size_limits,
+        "The largest program zbpipe accepts (see csrc/include/zbpipe/limits.h); larger requests "
+        "raise ScheduleError before allocating.");
   m.def("search_thread_count", &search_thread_count, py::arg("search_threads") = 0,
         "The threads zb_auto / v_half / v_min search on for a search_threads value (0 = the "
         "default: the CPUs this process may run on, at most 8).");
@@ -104,8 +107,8 @@ void register_compile(py::module_& m) {
         "sends that complete only once their receive is posted, as on NCCL.");
   m.def("comm_batches", &comm_batch_ranges, py::arg("program"), py::arg("rank"), py::arg("split_overlap") = true,
         "The runtime's batches of `rank`: (begin, end, after_f_half) action index ranges.");
-  m.def("insert_send_recv", &insert_send_recv, py::arg("program"));
-  m.def("lower", &lower, py::arg("compute_only"), "insert_send_recv, then validate.");
+  m.def("insert_send_recv", &insert_send_recv_program, py::arg("program"));
+  m.def("lower", &lower_program, py::arg("compute_only"), "insert_send_recv, then validate.");
   m.def("strip_backward", &strip_backward, py::arg("compute_only"),
         "The forwards of a compute-only program, same order and topology.");
 }

@@ -3,25 +3,42 @@
 
 #include <pybind11/pybind11.h>
 
+#include <algorithm>
+#include <climits>
 #include <functional>
 
 #include "zbpipe/builders.h"
 #include "zbpipe/compile.h"
 #include "zbpipe/error.h"
+#include "zbpipe/limits.h"
 #include "zbpipe/passes.h"
 #include "zbpipe/program_io.h"
+#include "python/arguments.h"
+#include "python/interrupt.h"
 
 namespace zbpipe::python {
 
-Program compile_program(const std::string& name, int pp, int microbatches, int stages_per_rank,
+namespace {
+// The sizes of a compile/build request, checked against the limits (limits.h) on the caller's
+// 64-bit values before they narrow to BuildArgs' ints.
+BuildArgs build_args(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank) {
+  find_schedule(name);  // an unknown name is the first thing to say
+  check_build_size(name, pp, microbatches, stages_per_rank);
+  auto narrow = [](int64_t v) { return static_cast<int>(std::max<int64_t>(v, INT32_MIN)); };
+  BuildArgs args;
+  args.pp = narrow(pp);
+  args.microbatches = narrow(microbatches);
+  args.stages_per_rank = narrow(stages_per_rank);
+  return args;
+}
+}  // namespace
+
+Program compile_program(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank,
                         std::optional<std::vector<double>> f, std::optional<std::vector<double>> b,
                         std::optional<std::vector<double>> w, std::optional<std::vector<double>> b_full,
                         std::optional<double> comm, std::optional<int> memory_cap,
                         bool exhaustive_search, std::optional<int> search_threads) {
-  BuildArgs args;
-  args.pp = pp;
-  args.microbatches = microbatches;
-  args.stages_per_rank = stages_per_rank;
+  BuildArgs args = build_args(name, pp, microbatches, stages_per_rank);
   auto take = [&](const char* option, auto& from, auto& to) {
     if (!from) return;
     to = std::move(*from);
@@ -38,16 +55,12 @@ Program compile_program(const std::string& name, int pp, int microbatches, int s
     args.given.emplace_back("exhaustive_search");
   }
   take("search_threads", search_threads, args.search_threads);
-  pybind11::gil_scoped_release nogil;
-  return compile(name, args);
+  return interruptible([&] { return compile(name, args); });
 }
 
-Program build_program(const std::string& name, int pp, int microbatches, int stages_per_rank) {
-  BuildArgs args;
-  args.pp = pp;
-  args.microbatches = microbatches;
-  args.stages_per_rank = stages_per_rank;
-  return find_schedule(name).build(args);
+Program build_program(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank) {
+  const BuildArgs args = build_args(name, pp, microbatches, stages_per_rank);
+  return interruptible([&] { return build(name, args); });
 }
 
 SimResult simulate_program(const Program& p, std::vector<double> f, std::vector<double> b,
@@ -58,7 +71,7 @@ SimResult simulate_program(const Program& p, std::vector<double> f, std::vector<
   costs.w = std::move(w);
   costs.b_full = std::move(b_full);
   costs.comm = comm;
-  return simulate(p, costs);
+  return interruptible([&] { return simulate(p, costs); });
 }
 
 std::vector<std::pair<std::string, std::string>> schedule_summaries() {
@@ -70,8 +83,55 @@ std::vector<std::pair<std::string, std::string>> schedule_summaries() {
 std::vector<std::string> schedule_option_names(const std::string& name) { return find_schedule(name).options; }
 
 void validate_program(const Program& p, bool rendezvous) {
-  validate(p);
-  if (rendezvous) validate_rendezvous(p);
+  interruptible([&] {
+    validate(p);
+    if (rendezvous) validate_rendezvous(p);
+  });
+}
+
+Program insert_send_recv_program(const Program& compute_only) {
+  return interruptible([&] { return insert_send_recv(compute_only); });
+}
+
+Program lower_program(const Program& compute_only) {
+  return interruptible([&] { return lower(compute_only); });
+}
+
+std::map<std::string, int64_t> size_limits() {
+  return {{"pp", kMaxPipelineRanks},       {"stages", kMaxStages},
+          {"microbatches", kMaxMicrobatches}, {"stages_x_microbatches", kMaxCells},
+          {"actions", kMaxActions},        {"bytes_per_stage_microbatch", kBytesPerCell}};
+}
+
+Action parse_action_arg(const pybind11::object& text) {
+  return parse_action(str_arg(text, "Action.parse", "text", "an action string such as '2F0'"));
+}
+
+Program program_from_csv_arg(const pybind11::object& path, const pybind11::object& rendezvous) {
+  const char* fn = "Program.from_csv";
+  const std::string file = path_arg(path, fn, "path");
+  const bool rv = arg<bool>(rendezvous, fn, "rendezvous", "a bool");
+  return interruptible([&] { return read_csv_file(file, rv); });
+}
+
+Program program_from_csv_text_arg(const pybind11::object& text, const pybind11::object& rendezvous) {
+  const char* fn = "Program.from_csv_text";
+  const std::string csv = str_arg(text, fn, "text");
+  const bool rv = arg<bool>(rendezvous, fn, "rendezvous", "a bool");
+  return interruptible([&] { return program_from_csv_text(csv, rv); });
+}
+
+Program program_from_actions_arg(const pybind11::object& ranks, const pybind11::object& stage_to_rank,
+                                 const pybind11::object& microbatches, const pybind11::object& name,
+                                 const pybind11::object& rendezvous) {
+  const char* fn = "Program.from_actions";
+  auto rows = arg<std::vector<std::vector<std::string>>>(
+      ranks, fn, "ranks", "a list of lists of action strings (one list per rank)");
+  auto placement = arg<std::vector<int>>(stage_to_rank, fn, "stage_to_rank", "a list of ints (the rank of each stage)");
+  auto mb = arg<int64_t>(microbatches, fn, "microbatches", "an int");
+  auto label = str_arg(name, fn, "name");
+  auto rv = arg<bool>(rendezvous, fn, "rendezvous", "a bool");
+  return interruptible([&] { return program_from_actions(rows, placement, mb, label, rv); });
 }
 
 std::vector<std::tuple<int, int, bool>> comm_batch_ranges(const Program& p, int rank, bool split_overlap) {

@@ -3,7 +3,11 @@
 // core's types show in Python.
 #pragma once
 
+#include <pybind11/pybind11.h>
+
 #include <cstddef>
+#include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <tuple>
@@ -18,20 +22,34 @@ namespace zbpipe::python {
 
 // compile(name, pp, microbatches, stages_per_rank, *options): an option left at None (false
 // for exhaustive_search) is not given, so the schedule's default applies and no schedule
-// refuses it (check_options). Runs without the GIL.
-Program compile_program(const std::string& name, int pp, int microbatches, int stages_per_rank,
+// refuses it (check_options). Sizes past limits.h raise ScheduleError before anything is
+// allocated. Runs without the GIL; Ctrl-C stops it (interrupt.h).
+Program compile_program(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank,
                         std::optional<std::vector<double>> f, std::optional<std::vector<double>> b,
                         std::optional<std::vector<double>> w, std::optional<std::vector<double>> b_full,
                         std::optional<double> comm, std::optional<int> memory_cap,
                         bool exhaustive_search, std::optional<int> search_threads);
 // Only the builder: the compute-only program, neither lowered nor validated.
-Program build_program(const std::string& name, int pp, int microbatches, int stages_per_rank);
+Program build_program(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank);
 SimResult simulate_program(const Program& p, std::vector<double> f, std::vector<double> b,
                            std::vector<double> w, std::vector<double> b_full, double comm);
 
 std::vector<std::pair<std::string, std::string>> schedule_summaries();  // (name, summary)
 std::vector<std::string> schedule_option_names(const std::string& name);
 void validate_program(const Program& p, bool rendezvous);
+Program insert_send_recv_program(const Program& compute_only);
+Program lower_program(const Program& compute_only);
+// The limits of limits.h by name (size_limits()).
+std::map<std::string, int64_t> size_limits();
+
+// The text doors of Program and Action: arguments type-checked with one-line TypeErrors
+// (arguments.h), long work interruptible.
+Action parse_action_arg(const pybind11::object& text);
+Program program_from_csv_arg(const pybind11::object& path, const pybind11::object& rendezvous);
+Program program_from_csv_text_arg(const pybind11::object& text, const pybind11::object& rendezvous);
+Program program_from_actions_arg(const pybind11::object& ranks, const pybind11::object& stage_to_rank,
+                                 const pybind11::object& microbatches, const pybind11::object& name,
+                                 const pybind11::object& rendezvous);
 // The runtime's batches of `rank` as (begin, end, after_f_half) action index ranges.
 std::vector<std::tuple<int, int, bool>> comm_batch_ranges(const Program& p, int rank, bool split_overlap);
 

@@ -18,6 +18,7 @@
 #include <algorithm>
 
 #include "zbpipe/builders.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe {
@@ -33,6 +34,7 @@ Program build_dualpipev(const BuildArgs& a) {
   std::vector<std::pair<int, int>> weights;
   weights.reserve(2 * pp);
   for (int r = 0; r < pp; ++r) {
+    poll_cancel();
     auto& acts = p.ranks[r];
     acts.reserve(static_cast<size_t>(4) * m);
     const int stage[2] = {r, 2 * pp - 1 - r};

@@ -3,6 +3,7 @@
 
 #include <algorithm>
 
+#include "zbpipe/cancel.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe::detail {
@@ -73,6 +74,7 @@ Program build_interleaved(const char* schedule, const BuildArgs& a, bool zero_bu
   const auto shape = interleaved_shape(a.pp, v, a.microbatches);
   const int hops = zero_bubble ? 1 : 2;
   for (int r = 0; r < a.pp; ++r) {
+    poll_cancel();
     const int warmup = std::min((v - 1) * shape.per_round + hops * (a.pp - 1 - r), v * a.microbatches);
     interleaved_rank_ops(shape, r, warmup, zero_bubble, p.ranks[r]);
   }

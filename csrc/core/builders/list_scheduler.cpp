@@ -20,6 +20,7 @@
 #include <cstring>
 #include <utility>
 
+#include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 
@@ -164,6 +165,7 @@ class ListScheduler {
     for (int r = 0; r < p_.pp; ++r) mark_dirty(r);
     ProposalTree tree(p_.pp);
     while (left > 0) {
+      poll_cancel();
       for (int r : dirty_) {
         props_[r] = propose(r);
         dirty_flag_[r] = 0;

@@ -23,6 +23,7 @@
 
 #include "list_scheduler.h"
 #include "zbpipe/builders.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/error.h"
 #include "zbpipe/simulator.h"
 
@@ -193,7 +194,9 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   std::vector<Picker> picks(workers, Picker(refs, primary));
   std::vector<std::exception_ptr> errors(workers);
   std::vector<int> error_at(workers, points);
+  const CancelShare cancel;  // helpers stop with the caller's Ctrl-C (cancel.h)
   auto work = [&](int id) {
+    const auto joined = cancel.join();
     Picker& mine = picks[id];
     Program cand = shell;
     int n = -1;
@@ -201,6 +204,7 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
       while (!failed.load(std::memory_order_relaxed) &&
              (n = next.fetch_add(1, std::memory_order_relaxed)) < points) {
         if (done[n].load(std::memory_order_relaxed)) continue;
+        poll_cancel();
         const PolicyIndex at = grid_point(grid, n);
         PolicySet cell = PolicySet::all(grid);
         // `bar` is already at or below this worker's own bound: it lowers it after each offer.
@@ -239,6 +243,7 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   }
   work(0);
   for (std::thread& t : helpers) t.join();
+  throw_if_cancelled();  // an interrupt wins over the errors it caused in other workers
   // Points are taken in order and every taken one finishes, so the lowest failing point is
   // known: its error is the one raised.
   const auto first_error = std::min_element(error_at.begin(), error_at.end());

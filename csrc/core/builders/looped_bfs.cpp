@@ -6,6 +6,7 @@
 // Peak activations v*m per rank (like GPipe over v stages). v = 1 is legal (GPipe with the
 // backwards newest first): PyTorch's class takes one stage too, only its visualizer insists on 2.
 #include "zbpipe/builders.h"
+#include "zbpipe/cancel.h"
 
 namespace zbpipe {
 
@@ -15,6 +16,7 @@ Program build_looped_bfs(const BuildArgs& a) {
   Program p = make_program("looped_bfs", a, v, "loop");
   const int m = a.microbatches;
   for (int r = 0; r < a.pp; ++r) {
+    poll_cancel();
     auto& acts = p.ranks[r];
     acts.reserve(static_cast<size_t>(2) * v * m);
     // Phase 1: v*m forwards, local stage 0 first.

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "zbpipe/builders.h"
+#include "zbpipe/cancel.h"
 
 namespace zbpipe {
 
@@ -13,6 +14,7 @@ Program build_1f1b(const BuildArgs& a) {
   Program p = make_program("1f1b", a, spr, "loop");
   const int m = a.microbatches;
   for (int r = 0; r < a.pp; ++r) {
+    poll_cancel();
     auto& acts = p.ranks[r];
     const int warmup = std::min(m, a.pp - 1 - r);
     int next_f = 0, next_b = 0;

@@ -11,6 +11,7 @@
 #include <algorithm>
 
 #include "zbpipe/builders.h"
+#include "zbpipe/cancel.h"
 
 namespace zbpipe {
 
@@ -20,6 +21,7 @@ Program build_zb_h1(const BuildArgs& a) {
   Program p = make_program("zb_h1", a, spr, "loop");
   const int m = a.microbatches;
   for (int r = 0; r < a.pp; ++r) {
+    poll_cancel();
     auto& acts = p.ranks[r];
     acts.reserve(static_cast<size_t>(3) * m);
     int nf = 0, ni = 0, nw = 0;

@@ -13,6 +13,7 @@
 #include <algorithm>
 
 #include "zbpipe/builders.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe {
@@ -23,6 +24,7 @@ Program build_zb_h2(const BuildArgs& a) {
   Program p = make_program("zb_h2", a, spr, "loop");
   const int m = a.microbatches, pp = a.pp;
   for (int r = 0; r < pp; ++r) {
+    poll_cancel();
     auto& acts = p.ranks[r];
     acts.reserve(static_cast<size_t>(3) * m);
     const int warmup = std::min(m, 2 * (pp - 1 - r));

@@ -14,6 +14,7 @@
 #include <algorithm>
 
 #include "zbpipe/builders.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe {
@@ -24,6 +25,7 @@ Program build_zbv(const BuildArgs& a) {
   Program p = make_program("zbv", a, spr, "v");
   const int pp = a.pp, m = a.microbatches, n = std::max(m, 2 * pp - 1);
   for (int r = 0; r < pp; ++r) {
+    poll_cancel();
     auto& acts = p.ranks[r];
     acts.reserve(static_cast<size_t>(6) * m);
     const int s0 = r, s1 = 2 * pp - 1 - r;

@@ -1,8 +1,12 @@
 // Validation pass: structure, exactly-once compute, local ordering, SEND/RECV matching and a
 // blocking-receive execution. Every failure names the rule and shows the marked grid.
+#include <cstdint>
 #include <string>
+#include <unordered_map>
+#include <vector>
 
 #include "action_table.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 #include "zbpipe/passes.h"
@@ -19,6 +23,8 @@ namespace {
                                   "\n", format_program(p, rank, index)));
 }
 
+}  // namespace
+
 void check_shape(const Program& p) {
   ZB_SCHEDULE_CHECK(p.pp >= 1 && p.num_stages >= 1 && p.microbatches >= 1, "invalid program '",
                     p.schedule, "': pp=", p.pp, ", stages=", p.num_stages,
@@ -33,6 +39,8 @@ void check_shape(const Program& p) {
                       p.schedule, "': stage ", s, " maps to rank ", p.stage_to_rank[s],
                       " outside [0, ", p.pp, ")");
 }
+
+namespace {
 
 // Whether the comm action has a neighbour stage that exists and lives on another rank.
 bool comm_is_legal(const Program& p, const Action& a) {
@@ -76,6 +84,7 @@ void validate(const Program& p) {
   for (int r = 0; r < p.pp; ++r) {
     const auto& acts = p.ranks[r];
     for (int i = 0; i < static_cast<int>(acts.size()); ++i) {
+      poll_cancel();
       const Action& a = acts[i];
       if (a.kind == Kind::OVERLAP_F_B && a.sub.empty()) fail(p, r, i, "OVERLAP_F_B without sub-actions");
       for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
@@ -96,6 +105,7 @@ void validate(const Program& p) {
   for (int s = 0; s < p.num_stages; ++s) {
     const int r = p.rank_of(s);
     for (int mb = 0; mb < p.microbatches; ++mb) {
+      poll_cancel();
       auto id = [&] { return detail::str("stage ", s, " microbatch ", mb); };
       if (!pos.at(s, Kind::F, mb)) fail(p, r, -1, id() + " never runs F");
       bool full = pos.at(s, Kind::B, mb), in = pos.at(s, Kind::I, mb), wt = pos.at(s, Kind::W, mb);
@@ -113,6 +123,7 @@ void validate(const Program& p) {
   for (int s = 0; s < p.num_stages; ++s) {
     const int r = p.rank_of(s);
     for (int mb = 0; mb < p.microbatches; ++mb) {
+      poll_cancel();
       for (Kind k : {Kind::F, Kind::B, Kind::I, Kind::W}) {
         const int c = pos.at(s, k, mb);
         if (!c || (forward_only && k != Kind::F)) continue;
@@ -142,23 +153,29 @@ void validate(const Program& p) {
   }
   if (comms) {
     // 3. Per ordered rank pair, sends and receives carry the same messages in the same order.
-    // Index (src * pp + dst). Counts already match one-to-one (step 2), so equal sequences
-    // reduce to comparing element by element.
-    std::vector<std::vector<Message>> sends(static_cast<size_t>(p.pp) * p.pp);
+    // Keyed by (src * pp + dst) in a map: only the pairs that talk get an entry, so memory
+    // follows the actions, not pp^2. Counts already match one-to-one (step 2), so equal
+    // sequences reduce to comparing element by element.
+    struct PairQueue {
+      std::vector<Message> sends;
+      size_t matched = 0;
+    };
+    std::unordered_map<uint64_t, PairQueue> pairs;
+    auto pair_key = [&](int src, int dst) { return static_cast<uint64_t>(src) * p.pp + dst; };
     for (int r = 0; r < p.pp; ++r)
       for (const Action& a : p.ranks[r])
         if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B)
-          sends[static_cast<size_t>(r) * p.pp + p.rank_of(comm_peer_stage(a))].push_back(message_of(a));
-    std::vector<size_t> matched(sends.size(), 0);
+          pairs[pair_key(r, p.rank_of(comm_peer_stage(a)))].sends.push_back(message_of(a));
     for (int r = 0; r < p.pp; ++r) {
       const auto& acts = p.ranks[r];
       for (int i = 0; i < static_cast<int>(acts.size()); ++i) {
         const Action& a = acts[i];
+        poll_cancel();
         if (a.kind != Kind::RECV_F && a.kind != Kind::RECV_B) continue;
         const int src = p.rank_of(comm_peer_stage(a));
-        const size_t pair = static_cast<size_t>(src) * p.pp + r;
-        size_t& k = matched[pair];
-        if (k >= sends[pair].size() || !(sends[pair][k] == message_of(a)))
+        PairQueue& q = pairs[pair_key(src, r)];
+        size_t& k = q.matched;
+        if (k >= q.sends.size() || !(q.sends[k] == message_of(a)))
           fail(p, r, i, detail::str("receive #", k, " on rank ", r, " from rank ", src,
                                     " does not match the send in that order"));
         ++k;
@@ -178,18 +195,35 @@ void validate(const Program& p) {
         if (!done.met(d, s->microbatch)) return false;
     return true;
   };
+  // Ranks run as far as they can; one that stops is run again once an action it may wait on
+  // ends: a SEND wakes its RECV's rank, a compute the rank that consumes its data (what a
+  // compute needs on its own rank is behind it in the same list). The ranks left unfinished
+  // are those of every order (the run is monotone), in O(actions) instead of O(pp x rounds).
   std::vector<size_t> next(p.pp, 0);
-  for (bool progress = true; progress;) {
-    progress = false;
-    for (int r = 0; r < p.pp; ++r) {
-      const auto& acts = p.ranks[r];
-      while (next[r] < acts.size() && ready(acts[next[r]])) {
-        const Action& a = acts[next[r]];
-        for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
-          done.at(s->stage, s->kind, s->microbatch) = 1;
-        ++next[r];
-        progress = true;
+  std::vector<int> queue;
+  std::vector<char> queued(p.pp, 1);
+  for (int r = p.pp - 1; r >= 0; --r) queue.push_back(r);
+  auto wake = [&](int rank) {
+    if (!queued[rank]) {
+      queued[rank] = 1;
+      queue.push_back(rank);
+    }
+  };
+  while (!queue.empty()) {
+    const int r = queue.back();
+    queue.pop_back();
+    queued[r] = 0;
+    const auto& acts = p.ranks[r];
+    while (next[r] < acts.size() && ready(acts[next[r]])) {
+      poll_cancel();
+      const Action& a = acts[next[r]];
+      if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B) wake(p.rank_of(comm_peer_stage(a)));
+      for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
+        done.at(s->stage, s->kind, s->microbatch) = 1;
+        const int to = data_consumer(*s, p.num_stages);
+        if (to >= 0) wake(p.rank_of(to));
       }
+      ++next[r];
     }
   }
   for (int r = 0; r < p.pp; ++r)

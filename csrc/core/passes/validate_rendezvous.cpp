@@ -11,6 +11,7 @@
 #include <string>
 
 #include "action_table.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 #include "zbpipe/passes.h"
@@ -106,7 +107,9 @@ void run(const Program& p, bool split_overlap) {
   for (bool progress = true; progress;) {
     progress = false;
     for (int r = 0; r < p.pp; ++r) {
+      poll_cancel();
       while (at[r] < steps[r].size()) {
+        poll_cancel();
         const Step& s = steps[r][at[r]];
         if (s.group >= 0) {
           groups[s.group].posted = true;
@@ -121,6 +124,7 @@ void run(const Program& p, bool split_overlap) {
     }
     for (int r = 0; r < p.pp; ++r) {
       for (size_t k = 0; k < rank_groups[r].size(); ++k) {
+        poll_cancel();
         Group& g = groups[rank_groups[r][k]];
         if (!g.started && g.posted && (k == 0 || groups[rank_groups[r][k - 1]].done))
           g.started = progress = true;

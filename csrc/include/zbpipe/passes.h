@@ -17,6 +17,11 @@ Program strip_comms(const Program& p);
 // topology (OVERLAP_F_B pairs keep their F), for evaluation with any schedule.
 Program strip_backward(const Program& compute_only);
 
+// The shape every pass relies on before it indexes anything: pp, stages and microbatches >= 1,
+// one action list per rank, and stage_to_rank with one rank in [0, pp) per stage. Throws
+// ScheduleError; insert_send_recv and validate run it first.
+void check_shape(const Program& p);
+
 // Checks, throwing ScheduleError with the program grid and the offending action marked:
 //  - shape: ranks == pp, stage_to_rank consistent, actions only on the rank owning the stage;
 //  - each (stage, mb) runs F once and either B once or I then W once, nothing else;

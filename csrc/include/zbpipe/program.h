@@ -1,6 +1,7 @@
 // A Program: topology (stage -> rank) plus one ordered action list per rank.
 #pragma once
 
+#include <cstddef>
 #include <string>
 #include <vector>
 
@@ -22,7 +23,11 @@ struct Program {
 };
 
 // Per-rank columns, one row per step, like PyTorch's _format_pipeline_order; the action at
-// (mark_rank, mark_index) is wrapped in ">> <<" so error messages point at it.
+// (mark_rank, mark_index) is wrapped in ">> <<" so error messages point at it. A program
+// beyond kGridRanks ranks or kGridSteps steps shows the window around the mark (the first
+// ranks / steps without one), with a line saying what is left out.
+inline constexpr size_t kGridRanks = 32;
+inline constexpr size_t kGridSteps = 64;
 std::string format_program(const Program& p, int mark_rank = -1, int mark_index = -1);
 
 }  // namespace zbpipe

@@ -2,6 +2,7 @@
 // text and CSV files. Every program made here is lowered where compute-only and validated.
 #pragma once
 
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -17,9 +18,10 @@ const std::vector<Action>& rank_actions(const Program& p, int rank);
 
 // A program from one list of action strings per rank and a stage placement: lowered when
 // compute-only, then validated. `rendezvous`: also checked with NCCL's rendezvous sends
-// (validate_rendezvous). Throws ScheduleError on a malformed action or a violated rule.
+// (validate_rendezvous). Throws ScheduleError on a malformed action, a violated rule or a
+// size past limits.h (checked before anything is allocated); polls cancel.h.
 Program program_from_actions(const std::vector<std::vector<std::string>>& ranks,
-                             const std::vector<int>& stage_to_rank, int microbatches,
+                             const std::vector<int>& stage_to_rank, int64_t microbatches,
                              const std::string& name = "custom", bool rendezvous = false);
 
 // PyTorch's CSV layout (csv_format.h) from text or from a file, validated as from_csv does;
