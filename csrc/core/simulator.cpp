@@ -29,11 +29,36 @@ double cost_of(const CostModel& c, const Action& a) {
   }
   return 0.0;
 }
+
+// Per (stage, compute kind): its duration and what it adds and frees, looked up once per
+// program rather than once per action.
+class StageTable {
+ public:
+  StageTable(int num_stages, const CostModel& costs, const MemoryModel& memory)
+      : rows_(static_cast<size_t>(num_stages) * kNumKinds) {
+    for (int s = 0; s < num_stages; ++s)
+      for (Kind k : {Kind::F, Kind::B, Kind::I, Kind::W}) {
+        const Action a(s, k, 0);
+        rows_[index(s, k)] = {cost_of(costs, a), memory.added_at_start(a), memory.freed_at_end(a)};
+      }
+  }
+  struct Row {
+    double duration = 0.0, added = 0.0, freed = 0.0;
+  };
+  const Row& of(const Action& a) const { return rows_[index(a.stage, a.kind)]; }
+
+ private:
+  static size_t index(int s, Kind k) { return static_cast<size_t>(s) * kNumKinds + static_cast<int>(k); }
+  std::vector<Row> rows_;
+};
 }  // namespace
 
-SimResult simulate(const Program& p, const CostModel& costs) {
+SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& memory,
+                   bool with_timeline) {
   costs.check(p.num_stages);
+  memory.check(p.num_stages);
   ActionTable<double> end(p.num_stages, p.microbatches, kUnset);
+  const StageTable table(p.num_stages, costs, memory);
   // Time at which everything `a` needs is on a's rank (producers_of), or kUnset if some of it
   // is not produced yet; data from another rank arrives `comm` after its producer ends.
   auto input_time = [&](const Action& a) -> double {
@@ -50,10 +75,12 @@ SimResult simulate(const Program& p, const CostModel& costs) {
   SimResult res;
   res.busy.assign(p.pp, 0.0);
   res.peak_activations.assign(p.pp, 0);
-  std::vector<double> clock(p.pp, 0.0), first_start(p.pp, -1.0);
+  res.peak_memory.assign(p.pp, 0.0);
+  std::vector<double> clock(p.pp, 0.0), first_start(p.pp, -1.0), held(p.pp, 0.0);
   std::vector<int> live(p.pp, 0);
   std::vector<size_t> next(p.pp, 0);
-  std::vector<std::vector<TimelineEvent>> per_rank(p.pp);
+  std::vector<std::vector<TimelineEvent>> per_rank(with_timeline ? p.pp : 0);
+  for (size_t r = 0; r < per_rank.size(); ++r) per_rank[r].reserve(p.ranks[r].size());
   for (bool progress = true; progress;) {
     progress = false;
     for (int r = 0; r < p.pp; ++r) {
@@ -69,10 +96,16 @@ SimResult simulate(const Program& p, const CostModel& costs) {
           double t = input_time(*s);
           if (t == kUnset) { ready = kUnset; break; }
           ready = std::max(ready, t);
-          duration += cost_of(costs, *s);
+          duration += table.of(*s).duration;
         }
         if (ready == kUnset) break;
         const double start = std::max(clock[r], ready), finish = start + duration;
+        // Memory: every part's addition at the common start, then every part's release.
+        for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
+          held[r] += table.of(*s).added;
+        res.peak_memory[r] = std::max(res.peak_memory[r], held[r]);
+        for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
+          held[r] -= table.of(*s).freed;
         for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
           end.at(s->stage, s->kind, s->microbatch) = finish;
           if (s->kind == Kind::F) res.peak_activations[r] = std::max(res.peak_activations[r], ++live[r]);
@@ -81,7 +114,7 @@ SimResult simulate(const Program& p, const CostModel& costs) {
         if (first_start[r] < 0.0) first_start[r] = start;
         clock[r] = finish;
         res.busy[r] += duration;
-        per_rank[r].push_back({r, a, start, finish});
+        if (with_timeline) per_rank[r].push_back({r, a, start, finish});
         ++next[r];
         progress = true;
       }
@@ -99,7 +132,8 @@ SimResult simulate(const Program& p, const CostModel& costs) {
     res.span[r] = first_start[r] < 0.0 ? 0.0 : clock[r] - first_start[r];
     max_span = std::max(max_span, res.span[r]);
     total_busy += res.busy[r];
-    for (auto& ev : per_rank[r]) res.timeline.push_back(std::move(ev));
+    if (with_timeline)
+      for (auto& ev : per_rank[r]) res.timeline.push_back(std::move(ev));
   }
   res.bubble_rate = max_span > 0.0 ? 1.0 - total_busy / (p.pp * max_span) : 0.0;
   res.idle_rate = res.makespan > 0.0 ? 1.0 - total_busy / (p.pp * res.makespan) : 0.0;

@@ -16,7 +16,9 @@
 #include "zbpipe/csv_format.h"
 #include "zbpipe/error.h"
 #include "zbpipe/passes.h"
+#include "zbpipe/refine.h"
 #include "zbpipe/simulator.h"
+#include "zbpipe/span_bound.h"
 #include "runtime/errors.h"
 #include "runtime/executor.h"
 #include "runtime/loopback.h"
@@ -38,6 +40,24 @@ CostModel make_costs(std::vector<double> f, std::vector<double> b, std::vector<d
   c.b_full = std::move(b_full);
   c.comm = comm;
   return c;
+}
+
+// mem_w empty: mem_w = mem_f (memory_model.h).
+MemoryModel make_memory(std::vector<double> mem_f, std::vector<double> mem_w) {
+  MemoryModel m;
+  m.mem_f = std::move(mem_f);
+  m.mem_w = std::move(mem_w);
+  return m;
+}
+
+// A per-rank cap from the caller's (one value or one per rank), or, when none is given, the
+// program's own peak memory under the model (no more than it already holds).
+std::vector<double> per_rank_cap(const Program& p, const CostModel& costs,
+                                 const MemoryModel& memory, std::vector<double> cap) {
+  if (cap.empty()) return simulate(p, costs, memory, false).peak_memory;
+  ZB_SCHEDULE_CHECK(cap.size() == 1 || static_cast<int>(cap.size()) == p.pp,
+                    "memory_cap needs 1 value or one per rank (", p.pp, "), got ", cap.size());
+  return cap.size() == 1 ? std::vector<double>(p.pp, cap[0]) : cap;
 }
 
 std::vector<std::string> action_strings(const Program& p, int rank, bool compute_only) {
@@ -156,8 +176,10 @@ void register_core(py::module_& m) {
                       std::optional<std::vector<double>> f, std::optional<std::vector<double>> b,
                       std::optional<std::vector<double>> w,
                       std::optional<std::vector<double>> b_full, std::optional<double> comm,
-                      std::optional<int> memory_cap, bool exhaustive_search,
-                      std::optional<int> search_threads) {
+                      std::optional<std::vector<double>> mem_f,
+                      std::optional<std::vector<double>> mem_w, std::optional<double> memory_cap,
+                      bool exhaustive_search, std::optional<int> search_threads,
+                      std::optional<bool> refine) {
           // An option left at None is not given: the schedule's default applies and no schedule
           // refuses it (see check_options).
           BuildArgs args;
@@ -174,19 +196,23 @@ void register_core(py::module_& m) {
           take("w", w, args.costs.w);
           take("b_full", b_full, args.costs.b_full);
           take("comm", comm, args.costs.comm);
+          take("mem_f", mem_f, args.memory.mem_f);
+          take("mem_w", mem_w, args.memory.mem_w);
           take("memory_cap", memory_cap, args.memory_cap);
           if (exhaustive_search) {
             args.exhaustive_search = true;
             args.given.emplace_back("exhaustive_search");
           }
           take("search_threads", search_threads, args.search_threads);
+          take("refine", refine, args.refine);
           py::gil_scoped_release nogil;
           return compile(name, args);
         }, py::arg("name"), py::arg("pp"), py::arg("microbatches"), py::arg("stages_per_rank") = 0,
         py::arg("f") = py::none(), py::arg("b") = py::none(), py::arg("w") = py::none(),
         py::arg("b_full") = py::none(), py::arg("comm") = py::none(),
+        py::arg("mem_f") = py::none(), py::arg("mem_w") = py::none(),
         py::arg("memory_cap") = py::none(), py::arg("exhaustive_search") = false,
-        py::arg("search_threads") = py::none());
+        py::arg("search_threads") = py::none(), py::arg("refine") = py::none());
   m.def("search_thread_count", &search_thread_count, py::arg("search_threads") = 0,
         "The threads zb_auto / v_half / v_min search on for a search_threads value (0 = the "
         "default: the CPUs this process may run on, at most 8).");
@@ -234,15 +260,55 @@ void register_core(py::module_& m) {
       .def_readonly("busy", &SimResult::busy)
       .def_readonly("span", &SimResult::span)
       .def_readonly("peak_activations", &SimResult::peak_activations)
+      .def_readonly("peak_memory", &SimResult::peak_memory)
       .def_readonly("timeline", &SimResult::timeline)
       .def("__repr__", [](const SimResult& r) {
         return zbpipe::detail::str("SimResult(makespan=", r.makespan, ", bubble_rate=", r.bubble_rate, ")");
       });
+  py::class_<SpanBound>(m, "SpanBound", "Lower bounds of every rank's span (span_bound.h).")
+      .def_readonly("span", &SpanBound::span)
+      .def_readonly("max_span", &SpanBound::max_span)
+      .def_readonly("bubble_rate", &SpanBound::bubble_rate)
+      .def("__repr__", [](const SpanBound& s) {
+        return zbpipe::detail::str("SpanBound(max_span=", s.max_span, ", bubble_rate=", s.bubble_rate, ")");
+      });
+  m.def("span_lower_bound", [](const Program& p, std::vector<double> f, std::vector<double> b,
+                               std::vector<double> w, double comm, std::vector<double> mem_f,
+                               std::vector<double> mem_w, std::vector<double> memory_cap) {
+          const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), {}, comm);
+          const MemoryModel memory = make_memory(std::move(mem_f), std::move(mem_w));
+          return span_lower_bound(p, costs, memory, per_rank_cap(p, costs, memory, std::move(memory_cap)));
+        }, py::arg("program"), py::arg("f"), py::arg("b"), py::arg("w"), py::arg("comm") = 0.0,
+        py::arg("mem_f") = std::vector<double>{1.0}, py::arg("mem_w") = std::vector<double>{},
+        py::arg("memory_cap") = std::vector<double>{});
+  m.def("refine", [](const Program& p, std::vector<double> f, std::vector<double> b,
+                     std::vector<double> w, double comm, std::vector<double> mem_f,
+                     std::vector<double> mem_w, std::vector<double> memory_cap,
+                     const std::string& objective, long budget) {
+          ZB_SCHEDULE_CHECK(objective == "span" || objective == "makespan",
+                            "refine: objective must be 'span' or 'makespan', got '", objective, "'");
+          const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), {}, comm);
+          const MemoryModel memory = make_memory(std::move(mem_f), std::move(mem_w));
+          const Program compute = p.has_comms() ? strip_comms(p) : p;
+          RefineOptions opt;
+          opt.objective = objective == "span" ? Objective::kSpan : Objective::kMakespan;
+          opt.budget = budget;
+          py::gil_scoped_release nogil;
+          const std::vector<double> cap = per_rank_cap(compute, costs, memory, std::move(memory_cap));
+          opt.target = opt.objective == Objective::kSpan ? span_lower_bound(compute, costs, memory, cap).max_span : 0.0;
+          return lower(refine_order(compute, costs, memory, cap, opt));
+        }, py::arg("program"), py::arg("f"), py::arg("b"), py::arg("w"), py::arg("comm") = 0.0,
+        py::arg("mem_f") = std::vector<double>{1.0}, py::arg("mem_w") = std::vector<double>{},
+        py::arg("memory_cap") = std::vector<double>{}, py::arg("objective") = "span",
+        py::arg("budget") = 3'000'000L);
   m.def("simulate", [](const Program& p, std::vector<double> f, std::vector<double> b,
-                       std::vector<double> w, std::vector<double> b_full, double comm) {
-          return simulate(p, make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm));
+                       std::vector<double> w, std::vector<double> b_full, double comm,
+                       std::vector<double> mem_f, std::vector<double> mem_w) {
+          return simulate(p, make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm),
+                          make_memory(std::move(mem_f), std::move(mem_w)));
         }, py::arg("program"), py::arg("f"), py::arg("b"), py::arg("w"),
-        py::arg("b_full") = std::vector<double>{}, py::arg("comm") = 0.0);
+        py::arg("b_full") = std::vector<double>{}, py::arg("comm") = 0.0,
+        py::arg("mem_f") = std::vector<double>{1.0}, py::arg("mem_w") = std::vector<double>{});
 }
 
 // ---- runtime: the Python PipelineStage behind the C++ StageHandle interface ---------------
