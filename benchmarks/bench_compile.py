@@ -45,7 +45,7 @@ SEARCH_SIZES = [(8, 24), (16, 64), (32, 128)]
 # The Zero Bubble paper's 1.5B model (Table 6), per 1F1B stage; a V stage costs half.
 PAPER_COSTS = dict(f=18.522, b=18.086, w=9.337, comm=0.601)
 # Its memory model (Table 1, h=2304, a=24, s=1024): M_B = 34h + 5as, M_W = 32h.
-PAPER_MEMORY = dict(mem_f=34 * 2304 + 5 * 24 * 1024, mem_w=32 * 2304)
+PAPER_MEMORY = dict(mem_f=[34.0 * 2304 + 5 * 24 * 1024], mem_w=[32.0 * 2304])
 
 
 def search_cells(name: str, pp: int):
@@ -54,7 +54,7 @@ def search_cells(name: str, pp: int):
     costed = {n: ([v / k] if n != "comm" else v) for n, v in PAPER_COSTS.items()}
     cells = [("unit", {}), ("1.5B", costed)]
     if name == "zb_auto":
-        cap2 = 2 * pp * PAPER_MEMORY["mem_f"]
+        cap2 = 2 * pp * PAPER_MEMORY["mem_f"][0]
         cells += [("1.5B+mem", dict(costed, **PAPER_MEMORY)),
                   ("+mem 2p", dict(costed, **PAPER_MEMORY, memory_cap=cap2))]
     return cells

@@ -110,6 +110,9 @@ struct Seed {
   Program program;
   Role role = Role::kCandidate;
   bool must_fit = false;  // the builder guarantees it fits the cap: a breach is an internal error
+  // The simulator's numbers for `program`, when its builder timed it the simulator's way (the
+  // search then skips the simulation, except in exhaustive mode, which always simulates).
+  ListRunResult timing{};
 };
 
 // Runs list_schedule for every point of the grid, scores each candidate with the simulator's

@@ -183,11 +183,19 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   std::vector<Score> refs;
   int primary = -1;  // index into refs
   for (const Seed& seed : seeds) {
-    const SimResult res = simulate(seed.program, costs, memory, false);
-    const bool fits = fits_cap(res.peak_memory, cap);
+    Score sc;
+    bool fits;
+    if (seed.timing.complete && !mode.exhaustive) {
+      const ListRunResult& t = seed.timing;
+      sc = make_score(t.makespan, t.max_span, t.bubble_rate, t.peak_memory);
+      fits = fits_cap(t.peak_memory, cap);
+    } else {
+      const SimResult res = simulate(seed.program, costs, memory, false);
+      sc = score_of(res);
+      fits = fits_cap(res.peak_memory, cap);
+    }
     ZB_CHECK(fits || !seed.must_fit, "'", seed.program.schedule,
              "' seed breaks the memory cap it is built for");
-    const Score sc = score_of(res);
     seed_scores.push_back(sc);
     seed_fits.push_back(fits);
     if (!fits) continue;  // a seed that does not fit the cap is no reference

@@ -71,12 +71,8 @@ std::vector<detail::Seed> seed_programs(const BuildArgs& a, const Program& shell
     }
   }
   seeds.push_back({split_backwards(build_1f1b(plain)), Role::kCandidate});
-  const size_t first = seeds.size();
-  for (Program& p : detail::zb_heuristic_candidates(shell, a.costs, a.memory, cap)) {
-    bool seen = false;  // knob settings often agree: score each order once
-    for (size_t j = first; j < seeds.size() && !seen; ++j) seen = seeds[j].program.ranks == p.ranks;
-    if (!seen) seeds.push_back({std::move(p), Role::kCandidate});
-  }
+  for (detail::Seed& seed : detail::zb_heuristic_candidates(shell, a.costs, a.memory, cap))
+    seeds.push_back(std::move(seed));
   return seeds;
 }
 

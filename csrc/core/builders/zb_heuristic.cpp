@@ -22,7 +22,7 @@ class PaperGreedy {
               const std::vector<double>& cap, const ZbHeuristicKnobs& knobs)
       : p_(p), cap_(cap), knobs_(knobs), ns_(p.num_stages), m_(p.microbatches),
         comm_(costs.comm), nf_(ns_, 0), ni_(ns_, 0), nw_(ns_, 0), clock_(ns_, 0.0),
-        mem_(ns_, 0.0), idle_(ns_, 0.0),
+        mem_(ns_, 0.0), idle_(ns_, 0.0), first_(ns_, 0.0), busy_(ns_, 0.0), peak_(ns_, 0.0),
         end_f_(static_cast<size_t>(ns_) * m_, kUnplaced), end_i_(end_f_) {
     for (int s = 0; s < ns_; ++s) {
       f_.push_back(costs.forward(s));
@@ -35,13 +35,24 @@ class PaperGreedy {
     }
   }
 
-  bool run() {
-    if (!warm_up()) return false;
+  ListRunResult run() {
+    if (!warm_up()) return {};
     for (int mb = 1; mb < m_; ++mb)
-      if (!steady_microbatch(mb)) return false;
+      if (!steady_microbatch(mb)) return {};
     for (int s = 0; s < ns_; ++s)
       while (nw_[s] < m_) place(s, Kind::W);
-    return true;
+    // zbpipe::simulate's summary, from the same per-rank numbers in the same order.
+    ListRunResult res;
+    res.complete = true;
+    double total_busy = 0.0;
+    for (int s = 0; s < ns_; ++s) {
+      res.makespan = std::max(res.makespan, clock_[s]);
+      res.max_span = std::max(res.max_span, clock_[s] - first_[s]);
+      total_busy += busy_[s];
+      res.peak_memory.push_back(peak_[s]);
+    }
+    res.bubble_rate = res.max_span > 0.0 ? 1.0 - total_busy / (ns_ * res.max_span) : 0.0;
+    return res;
   }
 
  private:
@@ -70,16 +81,20 @@ class PaperGreedy {
     int& next = kind == Kind::F ? nf_[s] : kind == Kind::I ? ni_[s] : nw_[s];
     const int mb = next++;
     const double cost = kind == Kind::F ? f_[s] : kind == Kind::I ? b_[s] : w_[s];
-    double end = clock_[s] + cost;
-    if (kind != Kind::W) end = std::max(end, arrival(s, kind, mb) + cost);
+    const double start = kind == Kind::W ? clock_[s] : std::max(clock_[s], arrival(s, kind, mb));
+    const double end = start + cost;
     if (!p_.ranks[s].empty()) {
       idle_[s] += end - (clock_[s] + cost);
       most_idle_ = std::max(most_idle_, idle_[s]);
+    } else {
+      first_[s] = start;
     }
     clock_[s] = end;
+    busy_[s] += cost;
     if (kind == Kind::F) {
       end_f_[idx(s, mb)] = end;
       mem_[s] += mem_f_[s];
+      peak_[s] = std::max(peak_[s], mem_[s]);
     } else if (kind == Kind::I) {
       end_i_[idx(s, mb)] = end;
       mem_[s] -= mem_f_[s] - mem_w_[s];
@@ -181,14 +196,16 @@ class PaperGreedy {
   std::vector<int> nf_, ni_, nw_;                  // per stage: F / I / W placed so far
   std::vector<double> clock_, mem_, idle_;         // per stage: end of its last action, memory
                                                    // held, idle time after its first action
+  std::vector<double> first_, busy_, peak_;        // per stage: the simulator's span start,
+                                                   // compute time and peak memory
   double most_idle_ = 0.0;                         // the largest idle_ (it only grows)
   std::vector<double> end_f_, end_i_;              // per (stage, mb): end time, or kUnplaced
 };
 
 }  // namespace
 
-bool zb_heuristic_order(Program& p, const CostModel& costs, const MemoryModel& memory,
-                        const std::vector<double>& cap, const ZbHeuristicKnobs& knobs) {
+ListRunResult zb_heuristic_order(Program& p, const CostModel& costs, const MemoryModel& memory,
+                                 const std::vector<double>& cap, const ZbHeuristicKnobs& knobs) {
   ZB_CHECK(p.num_stages == p.pp && static_cast<int>(p.ranks.size()) == p.pp,
            "the paper heuristic takes one stage per rank");
   for (int s = 0; s < p.num_stages; ++s)
@@ -197,16 +214,20 @@ bool zb_heuristic_order(Program& p, const CostModel& costs, const MemoryModel& m
   return PaperGreedy(p, costs, memory, cap, knobs).run();
 }
 
-std::vector<Program> zb_heuristic_candidates(const Program& shell, const CostModel& costs,
-                                             const MemoryModel& memory,
-                                             const std::vector<double>& cap) {
-  std::vector<Program> out;
+std::vector<Seed> zb_heuristic_candidates(const Program& shell, const CostModel& costs,
+                                          const MemoryModel& memory,
+                                          const std::vector<double>& cap) {
+  std::vector<Seed> out;
   for (bool idle_first : {true, false})
     for (bool prioritize : {true, false})
       for (bool greedy : {true, false}) {
-        Program p = shell;
-        if (zb_heuristic_order(p, costs, memory, cap, {idle_first, prioritize, greedy}))
-          out.push_back(std::move(p));
+        Seed seed{shell, Seed::Role::kCandidate};
+        seed.timing = zb_heuristic_order(seed.program, costs, memory, cap,
+                                         {idle_first, prioritize, greedy});
+        if (!seed.timing.complete) continue;
+        bool seen = false;  // knob settings often agree: offer each order once
+        for (const Seed& other : out) seen = seen || other.program.ranks == seed.program.ranks;
+        if (!seen) out.push_back(std::move(seed));
       }
   return out;
 }

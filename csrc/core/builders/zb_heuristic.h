@@ -10,6 +10,7 @@
 #include "zbpipe/cost_model.h"
 #include "zbpipe/memory_model.h"
 #include "zbpipe/program.h"
+#include "list_scheduler.h"
 
 namespace zbpipe::detail {
 
@@ -30,15 +31,16 @@ struct ZbHeuristicKnobs {
 
 // Fills `p.ranks` (one stage per rank, loop topology, compute only, I/W split) with the
 // heuristic's order under `knobs`; every rank stays within cap[r] (memory_model.h). Returns
-// false, leaving `p.ranks` unspecified, when a forward finds no room and no W left to free it
-// (caps below one microbatch per stage, or knobs that strand the order).
-bool zb_heuristic_order(Program& p, const CostModel& costs, const MemoryModel& memory,
-                        const std::vector<double>& cap, const ZbHeuristicKnobs& knobs);
+// the simulator's numbers for it (the heuristic times each action as zbpipe::simulate does),
+// or complete=false, leaving `p.ranks` unspecified, when a forward finds no room and no W left
+// to free it (caps below one microbatch per stage, or knobs that strand the order).
+ListRunResult zb_heuristic_order(Program& p, const CostModel& costs, const MemoryModel& memory,
+                                 const std::vector<double>& cap, const ZbHeuristicKnobs& knobs);
 
-// The heuristic's order under each of its 8 knob settings that fits (in the paper's order of
-// trying them: every knob true first).
-std::vector<Program> zb_heuristic_candidates(const Program& shell, const CostModel& costs,
-                                             const MemoryModel& memory,
-                                             const std::vector<double>& cap);
+// The heuristic's distinct orders over its 8 knob settings (in the paper's order of trying
+// them: every knob true first), each a candidate seed with its timing.
+std::vector<Seed> zb_heuristic_candidates(const Program& shell, const CostModel& costs,
+                                          const MemoryModel& memory,
+                                          const std::vector<double>& cap);
 
 }  // namespace zbpipe::detail
