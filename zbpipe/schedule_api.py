@@ -114,8 +114,11 @@ def simulate(
     )
 
 
-def _caps(memory_cap: Cost | None) -> list[float]:
-    return [] if memory_cap is None else _as_list("memory_cap", memory_cap)
+def _model(f, b, w, comm, mem_f, mem_w, memory_cap) -> tuple:
+    """The cost, memory and cap arguments of _C.refine / _C.span_lower_bound, in their order."""
+    caps = [] if memory_cap is None else _as_list("memory_cap", memory_cap)
+    return (_as_list("f", f), _as_list("b", b), _as_list("w", w), float(comm),
+            _as_list("mem_f", mem_f), _as_list("mem_w", mem_w), caps)
 
 
 def refine(
@@ -137,9 +140,8 @@ def refine(
     longest span (``objective="span"``, the bubble rate) or makespan drops without the other
     one rising. Stops at a local optimum, at the lower bound, or after timing ``budget``
     actions. Returns the lowered program; costs and memory as in ``simulate``."""
-    return _C.refine(program, _as_list("f", f), _as_list("b", b), _as_list("w", w), float(comm),
-                     _as_list("mem_f", mem_f), _as_list("mem_w", mem_w), _caps(memory_cap),
-                     objective, int(budget))
+    model = _model(f, b, w, comm, mem_f, mem_w, memory_cap)
+    return _C.refine(program, *model, objective, int(budget))
 
 
 def lower_bound(
@@ -157,6 +159,4 @@ def lower_bound(
     ``program``'s topology and microbatch count under these costs and this memory cap (per rank
     or one value, in mem_f's units; default: the program's own peak memory): no order does
     better (see csrc/include/zbpipe/span_bound.h for the arguments)."""
-    return _C.span_lower_bound(program, _as_list("f", f), _as_list("b", b), _as_list("w", w),
-                               float(comm), _as_list("mem_f", mem_f), _as_list("mem_w", mem_w),
-                               _caps(memory_cap))
+    return _C.span_lower_bound(program, *_model(f, b, w, comm, mem_f, mem_w, memory_cap))

@@ -4,53 +4,17 @@
 #include <algorithm>
 
 #include "passes/action_table.h"
+#include "stage_values.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe {
 
 using detail::ActionTable;
+using detail::StageTable;
 
 namespace {
 constexpr double kUnset = -1.0;
-
-double cost_of(const CostModel& c, const Action& a) {
-  switch (a.kind) {
-    case Kind::F: return c.forward(a.stage);
-    case Kind::B: return c.backward_full(a.stage);
-    case Kind::I: return c.backward_input(a.stage);
-    case Kind::W: return c.backward_weight(a.stage);
-    case Kind::SEND_F:
-    case Kind::RECV_F:
-    case Kind::SEND_B:
-    case Kind::RECV_B:       // takes no rank time (communication is modelled as arrival delay)
-    case Kind::OVERLAP_F_B:  // costs its parts
-      return 0.0;
-  }
-  return 0.0;
-}
-
-// Per (stage, compute kind): its duration and what it adds and frees, looked up once per
-// program rather than once per action.
-class StageTable {
- public:
-  StageTable(int num_stages, const CostModel& costs, const MemoryModel& memory)
-      : rows_(static_cast<size_t>(num_stages) * kNumKinds) {
-    for (int s = 0; s < num_stages; ++s)
-      for (Kind k : {Kind::F, Kind::B, Kind::I, Kind::W}) {
-        const Action a(s, k, 0);
-        rows_[index(s, k)] = {cost_of(costs, a), memory.added_at_start(a), memory.freed_at_end(a)};
-      }
-  }
-  struct Row {
-    double duration = 0.0, added = 0.0, freed = 0.0;
-  };
-  const Row& of(const Action& a) const { return rows_[index(a.stage, a.kind)]; }
-
- private:
-  static size_t index(int s, Kind k) { return static_cast<size_t>(s) * kNumKinds + static_cast<int>(k); }
-  std::vector<Row> rows_;
-};
 }  // namespace
 
 SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& memory,

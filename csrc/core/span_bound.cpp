@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "stage_values.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe {
@@ -14,12 +15,13 @@ class Bounds {
  public:
   Bounds(const Program& p, const CostModel& costs, const MemoryModel& memory,
          const std::vector<double>& cap)
-      : p_(p), c_(costs), mem_(memory), cap_(cap), m_(p.microbatches), ns_(p.num_stages) {}
+      : p_(p), c_(costs), t_(p.num_stages, costs, memory), cap_(cap), m_(p.microbatches),
+        ns_(p.num_stages) {}
 
   double rank_bound(int r) const {
     const std::vector<int> own = p_.stages_of(r);
     double work = 0.0;
-    for (int s : own) work += m_ * (c_.forward(s) + c_.backward_input(s) + c_.backward_weight(s));
+    for (int s : own) work += m_ * (f(s) + b(s) + w(s));
     double bound = work + unavoidable_idle(r, own);
     for (int q = 0; q < p_.pp; ++q) {
       const std::vector<int> theirs = p_.stages_of(q);
@@ -31,9 +33,9 @@ class Bounds {
  private:
   // Message latency from stage j to stage j + 1 (either way).
   double hop(int j) const { return p_.rank_of(j) != p_.rank_of(j + 1) ? c_.comm : 0.0; }
-  double f(int s) const { return c_.forward(s); }
-  double b(int s) const { return c_.backward_input(s); }
-  double w(int s) const { return c_.backward_weight(s); }
+  double f(int s) const { return t_.f(s); }
+  double b(int s) const { return t_.b(s); }
+  double w(int s) const { return t_.w(s); }
 
   // From the end of F(s, k) to the earliest start of I(s, k): the forwards of the later
   // stages, then their backward-inputs back, with a message each way between ranks.
@@ -57,8 +59,8 @@ class Bounds {
     double total = 0.0, by_i = 0.0, least_i = 0.0;
     for (size_t k = 0; k < stages.size(); ++k) {
       const int s = stages[k];
-      total += m_ * mem_.forward(s);
-      const double share = mem_.forward(s) - mem_.weight(s);
+      total += m_ * t_.held_by_forward(s);
+      const double share = t_.of(s, Kind::I).freed;
       by_i += m_ * share;
       least_i = k == 0 ? share : std::min(least_i, share);
     }
@@ -67,12 +69,12 @@ class Bounds {
     // One stage: whole W, each freeing mem_w. Several: the cheapest rate of freeing.
     if (stages.size() == 1) {
       const int s = stages[0];
-      if (mem_.weight(s) <= 0.0) return 0.0;
-      return std::ceil(by_w / mem_.weight(s) - 1e-9) * w(s);
+      if (t_.of(s, Kind::W).freed <= 0.0) return 0.0;
+      return std::ceil(by_w / t_.of(s, Kind::W).freed - 1e-9) * w(s);
     }
     double rate = -1.0;
     for (int s : stages)
-      if (mem_.weight(s) > 0.0) rate = rate < 0.0 ? w(s) / mem_.weight(s) : std::min(rate, w(s) / mem_.weight(s));
+      if (t_.of(s, Kind::W).freed > 0.0) rate = rate < 0.0 ? w(s) / t_.of(s, Kind::W).freed : std::min(rate, w(s) / t_.of(s, Kind::W).freed);
     return rate < 0.0 ? 0.0 : by_w * rate;
   }
 
@@ -99,12 +101,12 @@ class Bounds {
     double total = 0.0, rate = 0.0;
     for (int s : own) {
       total += m_ * f(s);
-      rate = std::max(rate, f(s) / mem_.forward(s));
+      rate = std::max(rate, f(s) / t_.held_by_forward(s));
     }
     double most = cap_[r] * rate;
     if (own.size() == 1) {  // whole forwards
       const int s = own[0];
-      most = std::min<double>(m_, std::floor(cap_[r] / mem_.forward(s) + 1e-9)) * f(s);
+      most = std::min<double>(m_, std::floor(cap_[r] / t_.held_by_forward(s) + 1e-9)) * f(s);
     }
     all = most >= total - 1e-9 * total;
     return std::min(most, total);
@@ -115,7 +117,7 @@ class Bounds {
   double backward_held(const std::vector<int>& own, int r) const {
     if (own.size() == 1) {  // a microbatches before their I, b between I and W: exact
       const int s = own[0];
-      const double mf = mem_.forward(s), mw = mem_.weight(s), room = cap_[r] - mf;
+      const double mf = t_.held_by_forward(s), mw = t_.of(s, Kind::W).freed, room = cap_[r] - mf;
       double best = 0.0;
       for (int a = 0; a < m_ && a * mf <= room + 1e-9 * cap_[r]; ++a) {
         const double rest = room - a * mf;
@@ -128,12 +130,12 @@ class Bounds {
     }
     // Several stages: the best rate of backward work per unit of memory held, plus the last
     // microbatch's own backward on the rank's higher stages (it runs inside the window too).
-    double rate = 0.0, own_work = 0.0, least_f = mem_.forward(own[0]);
+    double rate = 0.0, own_work = 0.0, least_f = t_.held_by_forward(own[0]);
     for (int s : own) {
-      rate = std::max(rate, (b(s) + w(s)) / mem_.forward(s));
-      if (mem_.weight(s) > 0.0) rate = std::max(rate, w(s) / mem_.weight(s));
+      rate = std::max(rate, (b(s) + w(s)) / t_.held_by_forward(s));
+      if (t_.of(s, Kind::W).freed > 0.0) rate = std::max(rate, w(s) / t_.of(s, Kind::W).freed);
       if (s != own[0]) own_work += b(s) + w(s);
-      least_f = std::min(least_f, mem_.forward(s));
+      least_f = std::min(least_f, t_.held_by_forward(s));
     }
     return std::max(0.0, cap_[r] - least_f) * rate + own_work;
   }
@@ -168,7 +170,7 @@ class Bounds {
 
   const Program& p_;
   const CostModel& c_;
-  const MemoryModel& mem_;
+  const detail::StageTable t_;  // durations and memory deltas per (stage, kind)
   const std::vector<double>& cap_;
   const int m_, ns_;
 };

@@ -21,6 +21,7 @@
 #include <cstring>
 #include <utility>
 
+#include "../stage_values.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 
@@ -119,6 +120,7 @@ class ListScheduler {
                 PolicySet* cell)
       : p_(p), cap_(cap), grid_(grid), at_(at), cell_(cell), warmup_(grid.warmups[at[kWarmup]]),
         m_(p.microbatches), ns_(p.num_stages), last_stage_(p.num_stages - 1), comm_(costs.comm),
+        per_(p.num_stages, costs, memory),
         end_f_(static_cast<size_t>(ns_) * m_, kNever), end_i_(end_f_),
         sim_f_(end_f_.size(), 0.0), sim_i_(end_f_.size(), 0.0),
         next_f_(ns_, 0), next_i_(ns_, 0), done_w_(ns_, 0), f_ready_(ns_, kNever),
@@ -129,26 +131,19 @@ class ListScheduler {
     pol_.avoid_delaying_backward = grid.avoids[at[kAvoid]];
     pol_.recycle_first = grid.recycles[at[kRecycle]];
     pol_.deep_first = grid.deeps[at[kDeep]];
-    for (int s = 0; s < ns_; ++s) {
-      f_.push_back(costs.forward(s));
-      b_.push_back(costs.backward_input(s));
-      w_.push_back(costs.backward_weight(s));
-      mem_f_.push_back(memory.forward(s));
-      mem_w_.push_back(memory.weight(s));
-    }
     // tail_[s]: the least time from the start of F(s, mb) to the end of W(s, mb): the forwards
     // down to the last stage, the backward-inputs back, W, and comm at each change of rank.
     tail_.assign(ns_, 0.0);
     for (int s = ns_ - 1; s >= 0; --s) {
       const double hop = s + 1 < ns_ && !same_rank(s, s + 1) ? 2.0 * comm_ : 0.0;
-      tail_[s] = f_[s] + b_[s] + (s + 1 < ns_ ? tail_[s + 1] - w_[s + 1] + hop : 0.0) + w_[s];
+      tail_[s] = per_.f(s) + per_.b(s) + (s + 1 < ns_ ? tail_[s + 1] - per_.w(s + 1) + hop : 0.0) + per_.w(s);
     }
     // to_first_[s]: the least time from the end of I(s, mb) to the end of W(0, mb): the
     // backward-inputs down to stage 0, with comm at each change of rank, and stage 0's W.
     to_first_.assign(ns_, 0.0);
     for (int s = 1; s < ns_; ++s)
-      to_first_[s] = to_first_[s - 1] + (same_rank(s - 1, s) ? 0.0 : comm_) + b_[s - 1] +
-                     (s == 1 ? w_[0] : 0.0);
+      to_first_[s] = to_first_[s - 1] + (same_rank(s - 1, s) ? 0.0 : comm_) + per_.b(s - 1) +
+                     (s == 1 ? per_.w(0) : 0.0);
     if (m_ > 0) f_ready_[0] = 0.0;
     one_stage_ = p.num_stages == p.pp;
     for (int r = 0; r < p.pp; ++r) {
@@ -158,14 +153,14 @@ class ListScheduler {
         rk.stage[rk.nstages++] = s;
       }
       ZB_CHECK(rk.nstages >= 1, "rank ", r, " holds no stage");
-      for (int k = 0; k < rk.nstages; ++k) rk.entry_mem += mem_f_[rk.stage[k]];
+      for (int k = 0; k < rk.nstages; ++k) rk.entry_mem += per_.held_by_forward(rk.stage[k]);
       ZB_CHECK(within_cap(rk.entry_mem, cap[r]), "rank ", r, " cap ", cap[r],
                " below one microbatch of its stages (", rk.entry_mem, ")");
       ZB_CHECK(static_cast<int>(warmup_.size()) == p.pp, "one warm-up value per rank");
       rk.left_fi = 2 * m_ * rk.nstages;
       for (int k = 0; k < rk.nstages; ++k) {
-        rk.left_work += m_ * (f_[rk.stage[k]] + b_[rk.stage[k]] + w_[rk.stage[k]]);
-        rk.left_fi_work += m_ * (f_[rk.stage[k]] + b_[rk.stage[k]]);
+        rk.left_work += m_ * (per_.f(rk.stage[k]) + per_.b(rk.stage[k]) + per_.w(rk.stage[k]));
+        rk.left_fi_work += m_ * (per_.f(rk.stage[k]) + per_.b(rk.stage[k]));
       }
       rk.pending_w.reserve(static_cast<size_t>(m_) * rk.nstages);
       p.ranks[r].clear();
@@ -245,11 +240,11 @@ class ListScheduler {
     const int s = rk.stage[0], last = m_ - 1;
     if (next_f_[s] > last) {
       if (next_i_[s] > last) return 0.0;  // only W left: clock + work left says it all
-      return sim_f_[idx(s, last)] - f_[s] + tail_[s];
+      return sim_f_[idx(s, last)] - per_.f(s) + tail_[s];
     }
     // Held at the last F's start, after the forwards still owed: at most cap - mem_f.
-    const double to_free = rk.mem + (m_ - next_f_[s]) * mem_f_[s] - cap_[r];
-    const double before = (last - next_f_[s]) * f_[s] +
+    const double to_free = rk.mem + (m_ - next_f_[s]) * per_.held_by_forward(s) - cap_[r];
+    const double before = (last - next_f_[s]) * per_.f(s) +
                           least_time_to_free(s, to_free, next_i_[s] - done_w_[s]);
     return rk.sim_clock + before + tail_[s];
   }
@@ -260,13 +255,13 @@ class ListScheduler {
   // (x more I, y more W; a W needs its I), taken at the best of its feasible vertices.
   double least_time_to_free(int s, double amount, int pending) const {
     if (amount <= 0.0) return 0.0;
-    const double by_i = mem_f_[s] - mem_w_[s], by_w = mem_w_[s];
+    const double by_i = per_.of(s, Kind::I).freed, by_w = per_.of(s, Kind::W).freed;
     double best = kNever;
-    if (by_i > 0.0) best = b_[s] * amount / by_i;                      // I only
-    if (by_w > 0.0 && amount <= by_w * pending) best = std::min(best, w_[s] * amount / by_w);
+    if (by_i > 0.0) best = per_.b(s) * amount / by_i;                      // I only
+    if (by_w > 0.0 && amount <= by_w * pending) best = std::min(best, per_.w(s) * amount / by_w);
     if (amount > by_w * pending) {                                     // every pending W, then I + W
       const double x = (amount - by_w * pending) / (by_i + by_w);
-      best = std::min(best, b_[s] * x + w_[s] * (x + pending));
+      best = std::min(best, per_.b(s) * x + per_.w(s) * (x + pending));
     }
     return best;
   }
@@ -281,11 +276,12 @@ class ListScheduler {
     const int s = rk.stage[0];
     if (next_i_[s] == m_) return sim_i_[idx(s, m_ - 1)] + to_first_[s];
     double forced = 0.0;
-    if (next_f_[s] < m_ && mem_w_[s] > 0.0) {
+    const double by_w = per_.of(s, Kind::W).freed;
+    if (next_f_[s] < m_ && by_w > 0.0) {
       // Held at the last F's start at most cap - mem_f; every I but the last one's may help.
-      const double to_free = rk.mem + (m_ - next_f_[s]) * mem_f_[s] - cap_[r] -
-                             (m_ - 1 - next_i_[s]) * (mem_f_[s] - mem_w_[s]);
-      if (to_free > 1e-9 * cap_[r]) forced = std::ceil(to_free / mem_w_[s] - 1e-9) * w_[s];
+      const double to_free = rk.mem + (m_ - next_f_[s]) * per_.held_by_forward(s) - cap_[r] -
+                             (m_ - 1 - next_i_[s]) * per_.of(s, Kind::I).freed;
+      if (to_free > 1e-9 * cap_[r]) forced = std::ceil(to_free / by_w - 1e-9) * per_.w(s);
     }
     return rk.sim_clock + rk.left_fi_work + forced + to_first_[s];
   }
@@ -297,7 +293,7 @@ class ListScheduler {
     return same_rank(from, to) ? t : t + comm_;
   }
   // The scheduler chooses F, I and W only (Choice::kind).
-  double cost(const Choice& ch) const { return ch.kind == Kind::F ? f_[ch.stage] : ch.kind == Kind::I ? b_[ch.stage] : w_[ch.stage]; }
+  double cost(const Choice& ch) const { return ch.kind == Kind::F ? per_.f(ch.stage) : ch.kind == Kind::I ? per_.b(ch.stage) : per_.w(ch.stage); }
   bool admits(const RankState& rk, int s) const { return s == rk.stage[0]; }
 
   void mark_dirty(int r) {
@@ -337,7 +333,7 @@ class ListScheduler {
       const double ready = f_ready_[s];
       // Entering: room for this F and the later-stage F some admitted microbatch still owes.
       const bool entering = admits(rk, s);
-      bool fits = within_cap(rk.mem + (entering ? rk.entry_mem : mem_f_[s]), cap_[r]);
+      bool fits = within_cap(rk.mem + (entering ? rk.entry_mem : per_.held_by_forward(s)), cap_[r]);
       if (fits && entering && !rk.backward_started) {
         const int need = rk.live + rk.nstages;
         fits = need <= warmup_[r];
@@ -381,7 +377,7 @@ class ListScheduler {
     double held = kNever;
     const Choice f = next_forward(r, held), b = next_backward(r);
     const bool f_now = f.ready <= t + kEps, b_now = b.ready <= t + kEps;
-    const double tw = has_w ? w_[rk.pending_w[rk.w_head].first] : 0.0;
+    const double tw = has_w ? per_.w(rk.pending_w[rk.w_head].first) : 0.0;
     auto fill_fits = [&](double gap) {
       if (!has_w) return false;
       auto fits = [&](double ratio) { return ratio >= 0.0 && gap + kEps >= ratio * tw; };
@@ -407,7 +403,7 @@ class ListScheduler {
     if (b_now) return {true, b, t};
     if (f_now) {
       // An F ending after the backward's input lands would delay that backward.
-      if (b.ready < t + f_[f.stage] - kEps) {
+      if (b.ready < t + per_.f(f.stage) - kEps) {
         narrow_to_own(kAvoid);
         if (pol_.avoid_delaying_backward) {
           if (fill_fits(b.ready - t)) return run_w(r);
@@ -478,7 +474,7 @@ class ListScheduler {
         f_ready_[s] = forward_ready(s);
         if (next_i_[s] == ch.mb) i_ready_[s] = backward_ready(s);  // its own F was missing
         ++rk.live;
-        rk.mem += mem_f_[s];
+        rk.mem += per_.of(s, Kind::F).added;
         rk.peak_mem = std::max(rk.peak_mem, rk.mem);
         --rk.left_fi;
         rk.last = Kind::F;
@@ -497,7 +493,7 @@ class ListScheduler {
         ++next_i_[s];
         i_ready_[s] = backward_ready(s);
         rk.backward_started = true;
-        rk.mem -= mem_f_[s] - mem_w_[s];
+        rk.mem -= per_.of(s, Kind::I).freed;
         rk.pending_w.emplace_back(s, ch.mb);
         --rk.left_fi;
         rk.last = Kind::I;
@@ -510,7 +506,7 @@ class ListScheduler {
       }
       case Kind::W:
         --rk.live;
-        rk.mem -= mem_w_[ch.stage];
+        rk.mem -= per_.of(ch.stage, Kind::W).freed;
         ++done_w_[ch.stage];
         ++rk.w_head;
         break;
@@ -550,8 +546,7 @@ class ListScheduler {
   ListPolicy pol_;
   const int m_, ns_, last_stage_;
   const double comm_;
-  std::vector<double> f_, b_, w_;       // per-stage costs
-  std::vector<double> mem_f_, mem_w_;   // per-stage memory deltas (memory_model.h)
+  const StageTable per_;               // per-stage costs and memory deltas
   std::vector<double> tail_;            // per stage: least time from F start to W end
   std::vector<double> to_first_;        // per stage: least time from its I end to W(0) end
   bool one_stage_ = false;              // every rank holds one stage

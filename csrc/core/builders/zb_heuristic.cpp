@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <limits>
 
+#include "../stage_values.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe::detail {
@@ -21,15 +22,10 @@ class PaperGreedy {
   PaperGreedy(Program& p, const CostModel& costs, const MemoryModel& memory,
               const std::vector<double>& cap, const ZbHeuristicKnobs& knobs)
       : p_(p), cap_(cap), knobs_(knobs), ns_(p.num_stages), m_(p.microbatches),
-        comm_(costs.comm), nf_(ns_, 0), ni_(ns_, 0), nw_(ns_, 0), clock_(ns_, 0.0),
+        comm_(costs.comm), per_(ns_, costs, memory), nf_(ns_, 0), ni_(ns_, 0), nw_(ns_, 0), clock_(ns_, 0.0),
         mem_(ns_, 0.0), idle_(ns_, 0.0), first_(ns_, 0.0), busy_(ns_, 0.0), peak_(ns_, 0.0),
         end_f_(static_cast<size_t>(ns_) * m_, kUnplaced), end_i_(end_f_) {
     for (int s = 0; s < ns_; ++s) {
-      f_.push_back(costs.forward(s));
-      b_.push_back(costs.backward_input(s));
-      w_.push_back(costs.backward_weight(s));
-      mem_f_.push_back(memory.forward(s));
-      mem_w_.push_back(memory.weight(s));
       p.ranks[s].clear();
       p.ranks[s].reserve(static_cast<size_t>(3) * m_);
     }
@@ -59,7 +55,7 @@ class PaperGreedy {
   size_t idx(int s, int mb) const { return static_cast<size_t>(s) * m_ + mb; }
   bool has_w(int s) const { return nw_[s] < ni_[s]; }
   bool room_for_forward(int s, double extra) const {
-    return within_cap(mem_[s] + extra + mem_f_[s], cap_[s]);
+    return within_cap(mem_[s] + extra + per_.held_by_forward(s), cap_[s]);
   }
 
   // When the input of the next `kind` (F or I) of stage s, for microbatch mb, reaches its rank;
@@ -80,7 +76,7 @@ class PaperGreedy {
   void place(int s, Kind kind) {
     int& next = kind == Kind::F ? nf_[s] : kind == Kind::I ? ni_[s] : nw_[s];
     const int mb = next++;
-    const double cost = kind == Kind::F ? f_[s] : kind == Kind::I ? b_[s] : w_[s];
+    const double cost = kind == Kind::F ? per_.f(s) : kind == Kind::I ? per_.b(s) : per_.w(s);
     const double start = kind == Kind::W ? clock_[s] : std::max(clock_[s], arrival(s, kind, mb));
     const double end = start + cost;
     if (!p_.ranks[s].empty()) {
@@ -93,13 +89,13 @@ class PaperGreedy {
     busy_[s] += cost;
     if (kind == Kind::F) {
       end_f_[idx(s, mb)] = end;
-      mem_[s] += mem_f_[s];
+      mem_[s] += per_.of(s, Kind::F).added;
       peak_[s] = std::max(peak_[s], mem_[s]);
     } else if (kind == Kind::I) {
       end_i_[idx(s, mb)] = end;
-      mem_[s] -= mem_f_[s] - mem_w_[s];
+      mem_[s] -= per_.of(s, Kind::I).freed;
     } else {
-      mem_[s] -= mem_w_[s];
+      mem_[s] -= per_.of(s, Kind::W).freed;
     }
     p_.ranks[s].emplace_back(s, kind, mb);
   }
@@ -107,7 +103,7 @@ class PaperGreedy {
   // Before an F or I whose input arrives at `arrive`: the W that end by then, and one more
   // into the gap left when leaving it idle would grow the bubble, or when filling greedily.
   void fill_gap(int s, double arrive) {
-    while (has_w(s) && clock_[s] + w_[s] <= arrive) place(s, Kind::W);
+    while (has_w(s) && clock_[s] + per_.w(s) <= arrive) place(s, Kind::W);
     if (!has_w(s) || clock_[s] >= arrive) return;
     const bool hidden = arrive - clock_[s] <= most_idle_ - idle_[s];
     if (!hidden || knobs_.fill_short_gaps) place(s, Kind::W);
@@ -120,18 +116,18 @@ class PaperGreedy {
   bool warm_up() {
     for (int s = 0; s < ns_; ++s) place(s, Kind::F);
     std::vector<int> extra(ns_, 0);
-    double backward_end = clock_[ns_ - 1] + b_[ns_ - 1];  // the last stage's first I
+    double backward_end = clock_[ns_ - 1] + per_.b(ns_ - 1);  // the last stage's first I
     for (int s = ns_ - 2; s >= 0; --s) {
       double t = clock_[s], mem = 0.0;
       const double arrive = backward_end + comm_;
       while (nf_[s] + extra[s] < m_ && room_for_forward(s, mem)) {
-        const bool stop = knobs_.idle_before_first_backward ? t + f_[s] > arrive : t >= arrive;
+        const bool stop = knobs_.idle_before_first_backward ? t + per_.f(s) > arrive : t >= arrive;
         if (stop) break;
-        mem += mem_f_[s];
-        t += f_[s];
+        mem += per_.held_by_forward(s);
+        t += per_.f(s);
         ++extra[s];
       }
-      backward_end = std::max(t, arrive) + b_[s];
+      backward_end = std::max(t, arrive) + per_.b(s);
     }
     for (int s = 1; s < ns_; ++s)
       while (extra[s] > 0 && extra[s] >= extra[s - 1] && nf_[s] + extra[s] < m_) --extra[s];
@@ -176,14 +172,14 @@ class PaperGreedy {
   // and the W that make room for it, unless the wait that causes fits in the bubble.
   bool skips_forward(int s) const {
     if (!knobs_.prioritize_backward || s + 1 >= ns_ || nf_[s] < nf_[s + 1] + 2) return false;
-    const double next_back = clock_[s + 1] + f_[s + 1] + b_[s + 1] + comm_;
+    const double next_back = clock_[s + 1] + per_.f(s + 1) + per_.b(s + 1) + comm_;
     if (clock_[s] >= next_back) return true;
-    double w_time = 0.0, mem = mem_[s] + mem_f_[s];
+    double w_time = 0.0, mem = mem_[s] + per_.held_by_forward(s);
     for (int k = nw_[s]; !within_cap(mem, cap_[s]) && k < ni_[s]; ++k) {
-      w_time += w_[s];
-      mem -= mem_w_[s];
+      w_time += per_.w(s);
+      mem -= per_.of(s, Kind::W).freed;
     }
-    if (clock_[s] + f_[s] + w_time <= next_back) return false;
+    if (clock_[s] + per_.f(s) + w_time <= next_back) return false;
     return next_back - clock_[s] <= most_idle_ - idle_[s];
   }
 
@@ -192,7 +188,7 @@ class PaperGreedy {
   const ZbHeuristicKnobs knobs_;
   const int ns_, m_;
   const double comm_;
-  std::vector<double> f_, b_, w_, mem_f_, mem_w_;  // per stage
+  const StageTable per_;                          // per-stage costs and memory deltas
   std::vector<int> nf_, ni_, nw_;                  // per stage: F / I / W placed so far
   std::vector<double> clock_, mem_, idle_;         // per stage: end of its last action, memory
                                                    // held, idle time after its first action

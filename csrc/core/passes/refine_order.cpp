@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "../stage_values.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 #include "zbpipe/refine.h"
@@ -52,15 +53,8 @@ class OrderSearch {
   OrderSearch(const Program& p, const CostModel& costs, const MemoryModel& memory,
               const std::vector<double>& cap, const RefineOptions& opt)
       : p_(p), cap_(cap), opt_(opt), ns_(p.num_stages), m_(p.microbatches), comm_(costs.comm),
+        per_(ns_, costs, memory),
         end_f_(static_cast<size_t>(ns_) * m_, kUnset), end_b_(end_f_), ranks_(p.ranks) {
-    for (int s = 0; s < ns_; ++s) {
-      cost_[0].push_back(costs.forward(s));
-      cost_[1].push_back(costs.backward_full(s));
-      cost_[2].push_back(costs.backward_input(s));
-      cost_[3].push_back(costs.backward_weight(s));
-      mem_f_.push_back(memory.forward(s));
-      mem_w_.push_back(memory.weight(s));
-    }
     for (const auto& acts : ranks_) actions_ += static_cast<long>(acts.size());
     now_.start.resize(p.pp);
     now_.end.resize(p.pp);
@@ -84,16 +78,9 @@ class OrderSearch {
   bool fits(int r) const {
     double held = 0.0;
     for (const Action& a : ranks_[r]) {
-      if (a.kind == Kind::F) {
-        held += mem_f_[a.stage];
-        if (!within_cap(held, cap_[r])) return false;
-      } else if (a.kind == Kind::B) {
-        held -= mem_f_[a.stage];
-      } else if (a.kind == Kind::I) {
-        held -= mem_f_[a.stage] - mem_w_[a.stage];
-      } else {
-        held -= mem_w_[a.stage];
-      }
+      held += per_.of(a).added;
+      if (!within_cap(held, cap_[r])) return false;
+      held -= per_.of(a).freed;
     }
     return true;
   }
@@ -110,8 +97,7 @@ class OrderSearch {
   Figures current() const { return cur_; }
 
  private:
-  int kind_index(Kind k) const { return k == Kind::F ? 0 : k == Kind::B ? 1 : k == Kind::I ? 2 : 3; }
-  double cost(const Action& a) const { return cost_[kind_index(a.kind)][a.stage]; }
+  double cost(const Action& a) const { return per_.of(a).duration; }
   size_t idx(int s, int mb) const { return static_cast<size_t>(s) * m_ + mb; }
   bool done() const {
     return spent_ >= opt_.budget || not_above(cur_.primary, opt_.target);
@@ -358,8 +344,7 @@ class OrderSearch {
   const RefineOptions& opt_;
   const int ns_, m_;
   const double comm_;
-  std::vector<double> cost_[4];            // per kind (F, B, I, W), per stage
-  std::vector<double> mem_f_, mem_w_;      // per stage
+  const detail::StageTable per_;          // per-stage costs and memory deltas
   std::vector<double> end_f_, end_b_;      // per (stage, mb): end of F / of B or I
   std::vector<std::vector<Action>> ranks_;  // the orders being refined
   Timing now_;                             // the timing of ranks_ as they are
