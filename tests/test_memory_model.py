@@ -64,3 +64,19 @@ def test_per_stage_values():
 def test_bad_memory_raises(kwargs, match):
     with pytest.raises(zbpipe.ScheduleError, match=match):
         zbpipe.simulate(zbpipe.compile("zb_h1", 2, 4), **kwargs)
+
+
+@pytest.mark.parametrize("name,units", [("v_half", lambda p: 2 * ((p + 2) // 2)),
+                                        ("v_min", lambda p: 2 * ((p + 4) // 3))])
+def test_v_schedules_keep_their_paper_cap_in_mem_f_units(name, units):
+    # A V rank's cap is (its paper bound) microbatches of both its stages: units/2 * (mem_f of
+    # the two), here 2.0 per stage, and I frees half a forward.
+    pp, m = 4, 12
+    costs = dict(f=[1.0, 1.2, 0.9, 1.1, 1.0, 0.8, 1.3, 1.0], b=1.1, w=0.5, comm=0.1)
+    memory = dict(mem_f=2.0, mem_w=1.0)
+    cap = units(pp) * 2.0
+    prog = zbpipe.compile(name, pp, m, **memory, **costs)
+    assert max(zbpipe.simulate(prog, **costs, **memory).peak_memory) <= cap
+    zbpipe.compile(name, pp, m, memory_cap=cap, **memory, **costs)  # its own cap is accepted
+    with pytest.raises(zbpipe.ScheduleError, match="fixes its memory cap"):
+        zbpipe.compile(name, pp, m, memory_cap=cap + 1, **memory, **costs)

@@ -1,10 +1,12 @@
 // The refinement pass: a bounded local search over the per-rank orders of a compute-only
 // program, with the simulator's timing as the oracle, run after a heuristic (zb_auto's pick).
 //
-// A move takes one action and moves it earlier on its rank: the first pending action of some
-// (stage, kind) into an idle gap of a rank whose span (or end) is among the longest, or the
-// producer of the action after such a gap a few places earlier on its own rank, so that the
-// gap's input arrives sooner. A move is kept only when the program stays valid (each stage's F,
+// A move takes one action and moves it earlier on its rank. Ranks are visited longest span (or
+// latest end) first, and their idle gaps largest first; for a gap: the first later action of
+// some (stage, kind) moves into it, or the action after it moves a few places earlier (what ran
+// before it then fills the gap behind it), or that action's producer on another rank moves a
+// few places earlier there, so that the gap's input arrives sooner. A move is kept only when the
+// program stays valid (each stage's F,
 // I and W keep their microbatch order, every dependency holds, nothing deadlocks) and within
 // the memory cap under the memory model, and when it lowers the objective's figure (longest
 // span or makespan), or keeps it and lowers the sum of that figure over the ranks, without
