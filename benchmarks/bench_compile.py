@@ -9,7 +9,9 @@ A second table times the search-based schedules (zb_auto, v_half, v_min) on one 
 against their own exhaustive grid, the search as it ran before: every grid point scheduled to
 the end and scored with the simulator (compile(..., exhaustive_search=True); it picks the same
 program, which tests/core/test_list_search.py checks), at unit costs and at the Zero Bubble paper's
-1.5B costs.
+1.5B costs; zb_auto also under the paper's memory model (mem_f = M_B, mem_w = M_W of the 1.5B
+model) at its default cap (p * M_B) and at 2p * M_B. zb_auto's times include its refinement;
+the "no refine" column times the search alone (refine=False).
 
     PYTHONPATH=. python benchmarks/bench_compile.py          # full tables (32x128 cells take seconds)
     PYTHONPATH=. python benchmarks/bench_compile.py --quick  # skip the (32, 128) size
@@ -42,6 +44,20 @@ SEARCHED = ("zb_auto", "v_half", "v_min")
 SEARCH_SIZES = [(8, 24), (16, 64), (32, 128)]
 # The Zero Bubble paper's 1.5B model (Table 6), per 1F1B stage; a V stage costs half.
 PAPER_COSTS = dict(f=18.522, b=18.086, w=9.337, comm=0.601)
+# Its memory model (Table 1, h=2304, a=24, s=1024): M_B = 34h + 5as, M_W = 32h.
+PAPER_MEMORY = dict(mem_f=[34.0 * 2304 + 5 * 24 * 1024], mem_w=[32.0 * 2304])
+
+
+def search_cells(name: str, pp: int):
+    """(label, compile options) of the search table for `name` at `pp`."""
+    k = 1 if name == "zb_auto" else 2
+    costed = {n: ([v / k] if n != "comm" else v) for n, v in PAPER_COSTS.items()}
+    cells = [("unit", {}), ("1.5B", costed)]
+    if name == "zb_auto":
+        cap2 = 2 * pp * PAPER_MEMORY["mem_f"][0]
+        cells += [("1.5B+mem", dict(costed, **PAPER_MEMORY)),
+                  ("+mem 2p", dict(costed, **PAPER_MEMORY, memory_cap=cap2))]
+    return cells
 
 
 def median_seconds(fn, reps: int) -> float:
@@ -137,21 +153,25 @@ def search_table(sizes, reps: int, peer_reps: int) -> None:
     threads = _C.search_thread_count()
     print(f"\nsearch on 1 thread and on the default {threads} (the CPUs this process may use, "
           f"at most 8), against the exhaustive grid")
-    header = (f"{'schedule':<10}{'pp':>4}{'m':>6}{'costs':>7}{'1 thread ms':>13}"
-              f"{f'{threads} threads ms':>15}{'exhaustive ms':>15}{'speedup':>9}")
+    header = (f"{'schedule':<10}{'pp':>4}{'m':>6}{'costs':>10}{'1 thread ms':>13}"
+              f"{f'{threads} threads ms':>15}{'no refine ms':>14}{'exhaustive ms':>15}"
+              f"{'speedup':>9}")
     print(header)
     print("-" * len(header))
     for name in SEARCHED:
         for pp, m in sizes:
-            k = 1 if name == "zb_auto" else 2
-            for label, costs in (("unit", {}), ("1.5B", PAPER_COSTS)):
-                opts = {n: ([v / k] if n != "comm" else v) for n, v in costs.items()}
+            for label, opts in search_cells(name, pp):
                 one = median_seconds(lambda: _C.compile(name, pp, m, search_threads=1, **opts), reps)
                 ours = median_seconds(lambda: _C.compile(name, pp, m, **opts), reps)
+                bare = "-"
+                if name == "zb_auto":
+                    bare = median_seconds(
+                        lambda: _C.compile(name, pp, m, search_threads=1, refine=False, **opts), reps)
+                    bare = f"{bare * 1e3:.2f}"
                 full = median_seconds(
                     lambda: _C.compile(name, pp, m, exhaustive_search=True, **opts), peer_reps)
-                print(f"{name:<10}{pp:>4}{m:>6}{label:>7}{one * 1e3:13.2f}{ours * 1e3:15.2f}"
-                      f"{full * 1e3:15.1f}{full / ours:8.0f}x", flush=True)
+                print(f"{name:<10}{pp:>4}{m:>6}{label:>10}{one * 1e3:13.2f}{ours * 1e3:15.2f}"
+                      f"{bare:>14}{full * 1e3:15.1f}{full / ours:8.0f}x", flush=True)
 
 
 if __name__ == "__main__":

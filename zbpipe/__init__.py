@@ -6,8 +6,15 @@ runs them over a torch.distributed process group; this package keeps thin Python
 
 import torch  # noqa: F401  (must load before _C: _C links against torch's libraries)
 
-from ._C import Action, Kind, PipelineError, Program, ScheduleError, SimResult  # noqa: E402
-from .programs import compile, schedule_names, schedule_options, simulate  # noqa: E402
+from ._C import Action, Kind, PipelineError, Program, ScheduleError, SimResult, SpanBound  # noqa: E402
+from .programs import (  # noqa: E402
+    compile,
+    lower_bound,
+    refine,
+    schedule_names,
+    schedule_options,
+    simulate,
+)
 from .schedules import (  # noqa: E402
     PipelineContext,
     PipelineSchedule,
@@ -57,12 +64,15 @@ __all__ = [
     "ScheduleZBH2",
     "ScheduleZBVZeroBubble",
     "SimResult",
+    "SpanBound",
     "SplitPoint",
     "build_stage",
     "compile",
     "get_schedule_class",
+    "lower_bound",
     "pipe_split",
     "pipeline",
+    "refine",
     "schedule_names",
     "schedule_options",
     "simulate",

@@ -14,6 +14,11 @@ def _given(name: str, value: Cost | None) -> list[float] | None:
     return None if value is None else _door.costs("compile", name, value)
 
 
+def _costs(function: str, name: str, value: Cost | None) -> list[float]:
+    """A cost argument where None means "not given": the empty list the core reads so."""
+    return [] if value is None else _door.costs(function, name, value)
+
+
 def schedule_names() -> list[str]:
     """Every schedule the core can build, in a stable order."""
     return _C.schedule_names()
@@ -30,18 +35,25 @@ def compile(
     w: Cost | None = None,
     b_full: Cost | None = None,
     comm: float | None = None,
-    memory_cap: int | None = None,
+    mem_f: Cost | None = None,
+    mem_w: Cost | None = None,
+    memory_cap: float | None = None,
     search_threads: int | None = None,
+    refine: bool | None = None,
 ) -> _C.Program:
     """Builds, lowers (SEND/RECV) and validates a schedule; raises ScheduleError on bad input.
 
-    The costs (f, b, w, comm; unit costs when not given) and ``memory_cap`` (per-rank
-    activation cap in microbatches) steer the cost-driven schedules (``schedule_options(name)``:
-    zb_auto, v_half, v_min). Any of them given to a schedule that does not use it raises
-    ScheduleError naming the schedules that do; to time a program under costs, pass them to
-    ``simulate``. No schedule builds with ``b_full``. ``search_threads`` (the same three only)
-    sets how many threads share their search grid (default: one per CPU this process may run
-    on, at most 8); the program is the same for every value.
+    The costs (f, b, w, comm; unit costs when not given), the memory model (``mem_f`` held from
+    an F's start, of which ``mem_w`` waits from I to W; see ``simulate``) and ``memory_cap``
+    (memory per rank in mem_f's units: microbatches at the default mem_f=1) steer the
+    cost-driven schedules (``schedule_options(name)``: zb_auto, v_half, v_min). Any of them
+    given to a schedule that does not use it raises ScheduleError naming the schedules that do;
+    to time a program under costs and memory, pass them to ``simulate``. No schedule builds with
+    ``b_full``. ``search_threads`` (the same three only) sets how many threads share their
+    search grid (default: one per CPU this process may run on, at most 8); the program is the
+    same for every value. ``refine`` (zb_auto only, default True) runs the refinement pass
+    (see ``refine``) on the search's pick; ``refine=False`` gives the heuristics' pick alone,
+    the figures the Zero Bubble paper publishes.
     """
     def optional_int(name, value):
         return None if value is None else _door.integer("compile", name, value, bits=32)
@@ -56,8 +68,11 @@ def compile(
         w=_given("w", w),
         b_full=_given("b_full", b_full),
         comm=None if comm is None else _door.number("compile", "comm", comm),
-        memory_cap=optional_int("memory_cap", memory_cap),
+        mem_f=_given("mem_f", mem_f),
+        mem_w=_given("mem_w", mem_w),
+        memory_cap=None if memory_cap is None else _door.number("compile", "memory_cap", memory_cap),
         search_threads=optional_int("search_threads", search_threads),
+        refine=refine,
     )
 
 
@@ -74,9 +89,17 @@ def simulate(
     comm: float = 0.0,
     *,
     b_full: Cost | None = None,
+    mem_f: Cost = 1.0,
+    mem_w: Cost | None = None,
 ) -> _C.SimResult:
     """Simulates `program`: f forward, b backward-input, w backward-weight (per stage or one
-    value); a full backward B costs b + w unless b_full is given; comm is the cross-rank latency."""
+    value); a full backward B costs b + w unless b_full is given; comm is the cross-rank latency.
+
+    Memory (``SimResult.peak_memory``, per rank, in mem_f's units): an F adds ``mem_f`` when it
+    starts, a full B frees it when it ends, I frees ``mem_f - mem_w`` and W frees ``mem_w`` when
+    they end (per stage or one value; ``mem_w=None`` means mem_w = mem_f: I frees nothing).
+    ``peak_activations`` counts microbatches live from F to their last backward, whatever the
+    model."""
     if not isinstance(program, _C.Program):
         raise _door.wrong_type("simulate", "program", "a zbpipe.Program", program)
     return _C.simulate(
@@ -84,6 +107,61 @@ def simulate(
         _door.costs("simulate", "f", f),
         _door.costs("simulate", "b", b),
         _door.costs("simulate", "w", w),
-        [] if b_full is None else _door.costs("simulate", "b_full", b_full),
+        _costs("simulate", "b_full", b_full),
         _door.number("simulate", "comm", comm),
+        _door.costs("simulate", "mem_f", mem_f),
+        _costs("simulate", "mem_w", mem_w),
     )
+
+
+def _model(function, f, b, w, comm, mem_f, mem_w, memory_cap) -> tuple:
+    """The cost, memory and cap arguments of _C.refine / _C.span_lower_bound, in their order."""
+    return (_door.costs(function, "f", f), _door.costs(function, "b", b), _door.costs(function, "w", w),
+            _door.number(function, "comm", comm), _door.costs(function, "mem_f", mem_f),
+            _costs(function, "mem_w", mem_w), _costs(function, "memory_cap", memory_cap))
+
+
+def refine(
+    program: _C.Program,
+    f: Cost = 1.0,
+    b: Cost = 1.0,
+    w: Cost = 1.0,
+    comm: float = 0.0,
+    *,
+    mem_f: Cost = 1.0,
+    mem_w: Cost | None = None,
+    memory_cap: Cost | None = None,
+    objective: str = "span",
+    budget: int = 3_000_000,
+) -> _C.Program:
+    """The refinement pass on any program: a local search over each rank's order, timed by the
+    simulator, that keeps a move only when the program stays valid and within ``memory_cap``
+    (per rank or one value, in mem_f's units; default: the program's own peak memory) and its
+    longest span (``objective="span"``, the bubble rate) or makespan drops without the other
+    one rising. Stops at a local optimum, at the lower bound, or after timing ``budget``
+    actions. Returns the lowered program; costs and memory as in ``simulate``."""
+    if not isinstance(program, _C.Program):
+        raise _door.wrong_type("refine", "program", "a zbpipe.Program", program)
+    model = _model("refine", f, b, w, comm, mem_f, mem_w, memory_cap)
+    return _C.refine(program, *model, _door.text("refine", "objective", objective),
+                     _door.integer("refine", "budget", budget))
+
+
+def lower_bound(
+    program: _C.Program,
+    f: Cost = 1.0,
+    b: Cost = 1.0,
+    w: Cost = 1.0,
+    comm: float = 0.0,
+    *,
+    mem_f: Cost = 1.0,
+    mem_w: Cost | None = None,
+    memory_cap: Cost | None = None,
+) -> _C.SpanBound:
+    """Lower bounds of every rank's span, and of the bubble rate, over all valid programs with
+    ``program``'s topology and microbatch count under these costs and this memory cap (per rank
+    or one value, in mem_f's units; default: the program's own peak memory): no order does
+    better (see csrc/include/zbpipe/span_bound.h for the arguments)."""
+    if not isinstance(program, _C.Program):
+        raise _door.wrong_type("lower_bound", "program", "a zbpipe.Program", program)
+    return _C.span_lower_bound(program, *_model("lower_bound", f, b, w, comm, mem_f, mem_w, memory_cap))

@@ -9,12 +9,15 @@
 namespace zbpipe {
 
 namespace {
-// Cost-driven builders search under the costs and a cap (and take the search mode); no builder
-// runs a full B, so b_full only matters to the simulator.
-const std::vector<std::string> kSearchOptions = {"f",          "b",
-                                                 "w",          "comm",
-                                                 "memory_cap", "exhaustive_search",
-                                                 "search_threads"};
+// Cost-driven builders search under the costs, the memory model and a cap (and take the search
+// mode); no builder runs a full B, so b_full only matters to the simulator.
+const std::vector<std::string> kSearchOptions = {
+    "f", "b", "w", "comm", "mem_f", "mem_w", "memory_cap", "exhaustive_search", "search_threads"};
+// zb_auto also refines its pick (refine.h).
+std::vector<std::string> with_refine(std::vector<std::string> options) {
+  options.push_back("refine");
+  return options;
+}
 }  // namespace
 
 const std::vector<ScheduleInfo>& schedule_registry() {
@@ -36,7 +39,7 @@ const std::vector<ScheduleInfo>& schedule_registry() {
       {"dualpipev", "DeepSeek DualPipeV: F/B pairs run concurrently (backward on a worker thread), V topology, 2 stages per rank",
        build_dualpipev, {}},
       {"zb_auto", "Zero Bubble automatic: greedy search under the costs and a memory cap, 1 stage per rank",
-       build_zb_auto, kSearchOptions},
+       build_zb_auto, with_refine(kSearchOptions)},
       {"v_half", "V-Half: V shape, 2 stages per rank, ~1/2 of 1F1B's activations", build_v_half,
        kSearchOptions},
       {"v_min", "V-Min: V shape, 2 stages per rank, ~1/3 of 1F1B's activations", build_v_min,
@@ -64,7 +67,8 @@ void check_options(const ScheduleInfo& info, const BuildArgs& a) {
     return std::find(names.begin(), names.end(), name) != names.end();
   };
   auto is_cost = [](const std::string& option) {
-    return option == "f" || option == "b" || option == "w" || option == "b_full" || option == "comm";
+    return option == "f" || option == "b" || option == "w" || option == "b_full" ||
+           option == "comm" || option == "mem_f" || option == "mem_w";
   };
   for (const std::string& option : a.given) {
     std::string valid;
@@ -78,7 +82,7 @@ void check_options(const ScheduleInfo& info, const BuildArgs& a) {
     ZB_SCHEDULE_CHECK(false, info.name, " does not use option '", option, "' (",
                       takers.empty() ? std::string("no schedule builds with it")
                                      : "only " + takers + " take it",
-                      is_cost(option) ? "; zbpipe.simulate takes costs" : "", ")");
+                      is_cost(option) ? "; zbpipe.simulate takes costs and memory" : "", ")");
   }
 }
 

@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "passes/action_table.h"
+#include "stage_values.h"
 #include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
@@ -11,30 +12,18 @@
 namespace zbpipe {
 
 using detail::ActionTable;
+using detail::StageTable;
 
 namespace {
 constexpr double kUnset = -1.0;
-
-double cost_of(const CostModel& c, const Action& a) {
-  switch (a.kind) {
-    case Kind::F: return c.forward(a.stage);
-    case Kind::B: return c.backward_full(a.stage);
-    case Kind::I: return c.backward_input(a.stage);
-    case Kind::W: return c.backward_weight(a.stage);
-    case Kind::SEND_F:
-    case Kind::RECV_F:
-    case Kind::SEND_B:
-    case Kind::RECV_B:       // takes no rank time (communication is modelled as arrival delay)
-    case Kind::OVERLAP_F_B:  // costs its parts
-      return 0.0;
-  }
-  return 0.0;
-}
 }  // namespace
 
-SimResult simulate(const Program& p, const CostModel& costs) {
+SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& memory,
+                   bool with_timeline) {
   costs.check(p.num_stages);
+  memory.check(p.num_stages);
   ActionTable<double> end(p.num_stages, p.microbatches, kUnset);
+  const StageTable table(p.num_stages, costs, memory);
   // Time at which everything `a` needs is on a's rank (producers_of), or kUnset if some of it
   // is not produced yet; data from another rank arrives `comm` after its producer ends.
   auto input_time = [&](const Action& a) -> double {
@@ -51,10 +40,12 @@ SimResult simulate(const Program& p, const CostModel& costs) {
   SimResult res;
   res.busy.assign(p.pp, 0.0);
   res.peak_activations.assign(p.pp, 0);
-  std::vector<double> clock(p.pp, 0.0), first_start(p.pp, -1.0);
+  res.peak_memory.assign(p.pp, 0.0);
+  std::vector<double> clock(p.pp, 0.0), first_start(p.pp, -1.0), held(p.pp, 0.0);
   std::vector<int> live(p.pp, 0);
   std::vector<size_t> next(p.pp, 0);
-  std::vector<std::vector<TimelineEvent>> per_rank(p.pp);
+  std::vector<std::vector<TimelineEvent>> per_rank(with_timeline ? p.pp : 0);
+  for (size_t r = 0; r < per_rank.size(); ++r) per_rank[r].reserve(p.ranks[r].size());
   for (bool progress = true; progress;) {
     progress = false;
     for (int r = 0; r < p.pp; ++r) {
@@ -72,10 +63,16 @@ SimResult simulate(const Program& p, const CostModel& costs) {
           double t = input_time(*s);
           if (t == kUnset) { ready = kUnset; break; }
           ready = std::max(ready, t);
-          duration += cost_of(costs, *s);
+          duration += table.of(*s).duration;
         }
         if (ready == kUnset) break;
         const double start = std::max(clock[r], ready), finish = start + duration;
+        // Memory: every part's addition at the common start, then every part's release.
+        for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
+          held[r] += table.of(*s).added;
+        res.peak_memory[r] = std::max(res.peak_memory[r], held[r]);
+        for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
+          held[r] -= table.of(*s).freed;
         for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
           end.at(s->stage, s->kind, s->microbatch) = finish;
           if (s->kind == Kind::F) res.peak_activations[r] = std::max(res.peak_activations[r], ++live[r]);
@@ -84,7 +81,7 @@ SimResult simulate(const Program& p, const CostModel& costs) {
         if (first_start[r] < 0.0) first_start[r] = start;
         clock[r] = finish;
         res.busy[r] += duration;
-        per_rank[r].push_back({r, a, start, finish});
+        if (with_timeline) per_rank[r].push_back({r, a, start, finish});
         ++next[r];
         progress = true;
       }
@@ -102,7 +99,8 @@ SimResult simulate(const Program& p, const CostModel& costs) {
     res.span[r] = first_start[r] < 0.0 ? 0.0 : clock[r] - first_start[r];
     max_span = std::max(max_span, res.span[r]);
     total_busy += res.busy[r];
-    for (auto& ev : per_rank[r]) res.timeline.push_back(std::move(ev));
+    if (with_timeline)
+      for (auto& ev : per_rank[r]) res.timeline.push_back(std::move(ev));
   }
   res.bubble_rate = max_span > 0.0 ? 1.0 - total_busy / (p.pp * max_span) : 0.0;
   res.idle_rate = res.makespan > 0.0 ? 1.0 - total_busy / (p.pp * res.makespan) : 0.0;

@@ -89,8 +89,9 @@ void register_compile(py::module_& m) {
   m.def("compile", &compile_program, py::arg("name"), py::arg("pp"), py::arg("microbatches"),
         py::arg("stages_per_rank") = 0, py::arg("f") = py::none(), py::arg("b") = py::none(),
         py::arg("w") = py::none(), py::arg("b_full") = py::none(), py::arg("comm") = py::none(),
+        py::arg("mem_f") = py::none(), py::arg("mem_w") = py::none(),
         py::arg("memory_cap") = py::none(), py::arg("exhaustive_search") = false,
-        py::arg("search_threads") = py::none(),
+        py::arg("search_threads") = py::none(), py::arg("refine") = py::none(),
         "Builds, lowers and validates a schedule; options left at None are not given.");
   m.def("size_limits", &size_limits,
         "The largest program zbpipe accepts (see csrc/include/zbpipe/limits.h); larger requests "
@@ -127,10 +128,26 @@ void register_simulator(py::module_& m) {
       .def_readonly("busy", &SimResult::busy)
       .def_readonly("span", &SimResult::span)
       .def_readonly("peak_activations", &SimResult::peak_activations)
+      .def_readonly("peak_memory", &SimResult::peak_memory)
       .def_readonly("timeline", &SimResult::timeline)
       .def("__repr__", &sim_result_repr);
+  py::class_<SpanBound>(m, "SpanBound", "Lower bounds of every rank's span (span_bound.h).")
+      .def_readonly("span", &SpanBound::span)
+      .def_readonly("max_span", &SpanBound::max_span)
+      .def_readonly("bubble_rate", &SpanBound::bubble_rate)
+      .def("__repr__", &span_bound_repr);
+  m.def("span_lower_bound", &span_lower_bound_program, py::arg("program"), py::arg("f"), py::arg("b"),
+        py::arg("w"), py::arg("comm") = 0.0, py::arg("mem_f") = std::vector<double>{1.0},
+        py::arg("mem_w") = std::vector<double>{}, py::arg("memory_cap") = std::vector<double>{},
+        "Lower bounds of every rank's span over all valid orders (zbpipe.lower_bound).");
+  m.def("refine", &refine_program, py::arg("program"), py::arg("f"), py::arg("b"), py::arg("w"),
+        py::arg("comm") = 0.0, py::arg("mem_f") = std::vector<double>{1.0},
+        py::arg("mem_w") = std::vector<double>{}, py::arg("memory_cap") = std::vector<double>{},
+        py::arg("objective") = "span", py::arg("budget") = int64_t{3'000'000},
+        "The refinement pass on a program (zbpipe.refine).");
   m.def("simulate", &simulate_program, py::arg("program"), py::arg("f"), py::arg("b"), py::arg("w"),
         py::arg("b_full") = std::vector<double>{}, py::arg("comm") = 0.0,
+        py::arg("mem_f") = std::vector<double>{1.0}, py::arg("mem_w") = std::vector<double>{},
         "Runs the program under per-stage costs (zbpipe.simulate takes scalars too).");
 }
 

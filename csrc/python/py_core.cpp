@@ -13,12 +13,42 @@
 #include "zbpipe/limits.h"
 #include "zbpipe/passes.h"
 #include "zbpipe/program_io.h"
+#include "zbpipe/refine.h"
 #include "python/arguments.h"
 #include "python/interrupt.h"
 
 namespace zbpipe::python {
 
 namespace {
+CostModel make_costs(std::vector<double> f, std::vector<double> b, std::vector<double> w,
+                     std::vector<double> b_full, double comm) {
+  CostModel c;
+  c.f = std::move(f);
+  c.b = std::move(b);
+  c.w = std::move(w);
+  c.b_full = std::move(b_full);
+  c.comm = comm;
+  return c;
+}
+
+// mem_w empty: mem_w = mem_f (memory_model.h).
+MemoryModel make_memory(std::vector<double> mem_f, std::vector<double> mem_w) {
+  MemoryModel m;
+  m.mem_f = std::move(mem_f);
+  m.mem_w = std::move(mem_w);
+  return m;
+}
+
+// A per-rank cap from the caller's (one value or one per rank), or, when none is given, the
+// program's own peak memory under the model (no more than it already holds).
+std::vector<double> per_rank_cap(const Program& p, const CostModel& costs, const MemoryModel& memory,
+                                 std::vector<double> cap) {
+  if (cap.empty()) return simulate(p, costs, memory, false).peak_memory;
+  ZB_SCHEDULE_CHECK(cap.size() == 1 || static_cast<int>(cap.size()) == p.pp,
+                    "memory_cap needs 1 value or one per rank (", p.pp, "), got ", cap.size());
+  return cap.size() == 1 ? std::vector<double>(p.pp, cap[0]) : cap;
+}
+
 // The sizes of a compile/build request, checked against the limits (limits.h) on the caller's
 // 64-bit values before they narrow to BuildArgs' ints.
 BuildArgs build_args(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank) {
@@ -36,8 +66,10 @@ BuildArgs build_args(const std::string& name, int64_t pp, int64_t microbatches, 
 Program compile_program(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank,
                         std::optional<std::vector<double>> f, std::optional<std::vector<double>> b,
                         std::optional<std::vector<double>> w, std::optional<std::vector<double>> b_full,
-                        std::optional<double> comm, std::optional<int> memory_cap,
-                        bool exhaustive_search, std::optional<int> search_threads) {
+                        std::optional<double> comm, std::optional<std::vector<double>> mem_f,
+                        std::optional<std::vector<double>> mem_w, std::optional<double> memory_cap,
+                        bool exhaustive_search, std::optional<int> search_threads,
+                        std::optional<bool> refine) {
   BuildArgs args = build_args(name, pp, microbatches, stages_per_rank);
   auto take = [&](const char* option, auto& from, auto& to) {
     if (!from) return;
@@ -49,12 +81,15 @@ Program compile_program(const std::string& name, int64_t pp, int64_t microbatche
   take("w", w, args.costs.w);
   take("b_full", b_full, args.costs.b_full);
   take("comm", comm, args.costs.comm);
+  take("mem_f", mem_f, args.memory.mem_f);
+  take("mem_w", mem_w, args.memory.mem_w);
   take("memory_cap", memory_cap, args.memory_cap);
   if (exhaustive_search) {
     args.exhaustive_search = true;
     args.given.emplace_back("exhaustive_search");
   }
   take("search_threads", search_threads, args.search_threads);
+  take("refine", refine, args.refine);
   return interruptible([&] { return compile(name, args); });
 }
 
@@ -64,14 +99,40 @@ Program build_program(const std::string& name, int64_t pp, int64_t microbatches,
 }
 
 SimResult simulate_program(const Program& p, std::vector<double> f, std::vector<double> b,
-                           std::vector<double> w, std::vector<double> b_full, double comm) {
-  CostModel costs;
-  costs.f = std::move(f);
-  costs.b = std::move(b);
-  costs.w = std::move(w);
-  costs.b_full = std::move(b_full);
-  costs.comm = comm;
-  return interruptible([&] { return simulate(p, costs); });
+                           std::vector<double> w, std::vector<double> b_full, double comm,
+                           std::vector<double> mem_f, std::vector<double> mem_w) {
+  const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm);
+  const MemoryModel memory = make_memory(std::move(mem_f), std::move(mem_w));
+  return interruptible([&] { return simulate(p, costs, memory); });
+}
+
+SpanBound span_lower_bound_program(const Program& p, std::vector<double> f, std::vector<double> b,
+                                   std::vector<double> w, double comm, std::vector<double> mem_f,
+                                   std::vector<double> mem_w, std::vector<double> memory_cap) {
+  const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), {}, comm);
+  const MemoryModel memory = make_memory(std::move(mem_f), std::move(mem_w));
+  return interruptible([&] {
+    return span_lower_bound(p, costs, memory, per_rank_cap(p, costs, memory, std::move(memory_cap)));
+  });
+}
+
+Program refine_program(const Program& p, std::vector<double> f, std::vector<double> b,
+                       std::vector<double> w, double comm, std::vector<double> mem_f,
+                       std::vector<double> mem_w, std::vector<double> memory_cap,
+                       const std::string& objective, int64_t budget) {
+  ZB_SCHEDULE_CHECK(objective == "span" || objective == "makespan",
+                    "refine: objective must be 'span' or 'makespan', got '", objective, "'");
+  const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), {}, comm);
+  const MemoryModel memory = make_memory(std::move(mem_f), std::move(mem_w));
+  RefineOptions opt;
+  opt.objective = objective == "span" ? Objective::kSpan : Objective::kMakespan;
+  opt.budget = budget;
+  return interruptible([&] {
+    const Program compute = p.has_comms() ? strip_comms(p) : p;
+    const std::vector<double> cap = per_rank_cap(compute, costs, memory, std::move(memory_cap));
+    opt.target = opt.objective == Objective::kSpan ? span_lower_bound(compute, costs, memory, cap).max_span : 0.0;
+    return lower(refine_order(compute, costs, memory, cap, opt));
+  });
 }
 
 std::vector<std::pair<std::string, std::string>> schedule_summaries() {
@@ -154,6 +215,10 @@ std::string program_repr(const Program& p) {
 std::string timeline_event_repr(const TimelineEvent& e) {
   return detail::str("TimelineEvent(rank=", e.rank, ", action=", to_string(e.action), ", start=", e.start,
                      ", end=", e.end, ")");
+}
+
+std::string span_bound_repr(const SpanBound& s) {
+  return detail::str("SpanBound(max_span=", s.max_span, ", bubble_rate=", s.bubble_rate, ")");
 }
 
 std::string sim_result_repr(const SimResult& r) {

@@ -17,6 +17,7 @@
 #include "zbpipe/action.h"
 #include "zbpipe/program.h"
 #include "zbpipe/simulator.h"
+#include "zbpipe/span_bound.h"
 
 namespace zbpipe::python {
 
@@ -27,12 +28,26 @@ namespace zbpipe::python {
 Program compile_program(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank,
                         std::optional<std::vector<double>> f, std::optional<std::vector<double>> b,
                         std::optional<std::vector<double>> w, std::optional<std::vector<double>> b_full,
-                        std::optional<double> comm, std::optional<int> memory_cap,
-                        bool exhaustive_search, std::optional<int> search_threads);
+                        std::optional<double> comm, std::optional<std::vector<double>> mem_f,
+                        std::optional<std::vector<double>> mem_w, std::optional<double> memory_cap,
+                        bool exhaustive_search, std::optional<int> search_threads,
+                        std::optional<bool> refine);
 // Only the builder: the compute-only program, neither lowered nor validated.
 Program build_program(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank);
+// Costs as CostModel's lists; mem_w empty: mem_w = mem_f (memory_model.h).
 SimResult simulate_program(const Program& p, std::vector<double> f, std::vector<double> b,
-                           std::vector<double> w, std::vector<double> b_full, double comm);
+                           std::vector<double> w, std::vector<double> b_full, double comm,
+                           std::vector<double> mem_f, std::vector<double> mem_w);
+// span_bound.h's bound and refine.h's pass under these costs and memory; memory_cap: one value
+// or one per rank, or empty for the program's own peak memory under the model.
+SpanBound span_lower_bound_program(const Program& p, std::vector<double> f, std::vector<double> b,
+                                   std::vector<double> w, double comm, std::vector<double> mem_f,
+                                   std::vector<double> mem_w, std::vector<double> memory_cap);
+// objective: "span" or "makespan"; returns the lowered program.
+Program refine_program(const Program& p, std::vector<double> f, std::vector<double> b,
+                       std::vector<double> w, double comm, std::vector<double> mem_f,
+                       std::vector<double> mem_w, std::vector<double> memory_cap,
+                       const std::string& objective, int64_t budget);
 
 std::vector<std::pair<std::string, std::string>> schedule_summaries();  // (name, summary)
 std::vector<std::string> schedule_option_names(const std::string& name);
@@ -62,5 +77,6 @@ std::size_t action_hash(const Action& a);
 std::string program_repr(const Program& p);
 std::string timeline_event_repr(const TimelineEvent& e);
 std::string sim_result_repr(const SimResult& r);
+std::string span_bound_repr(const SpanBound& s);
 
 }  // namespace zbpipe::python

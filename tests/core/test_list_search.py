@@ -50,6 +50,21 @@ def long_zb_auto_case(rng):
 CASES += [("zb_auto", *long_zb_auto_case(random.Random(7000 + i))) for i in range(40)]
 
 
+def memory_model_case(rng, kept_by_w):
+    # The memory model of memory_model.h with I freeing part of a forward: caps in mem_f's
+    # units, runs pruned on the longest span and on the drain of partial frees (with a small
+    # share kept for W, freeing by I alone is the drain's cheapest way).
+    pp, m, costs = long_zb_auto_case(rng)
+    mem_f = [rng.uniform(1.0, 2.0) for _ in range(pp)]
+    costs.update(mem_f=mem_f, mem_w=[x * rng.uniform(*kept_by_w) for x in mem_f],
+                 memory_cap=rng.choice([0.5, 1.0, 1.5, 2.0]) * pp * max(mem_f))
+    return pp, m, costs
+
+
+CASES += [("zb_auto", *memory_model_case(random.Random(9000 + i), (0.2, 0.9))) for i in range(30)]
+CASES += [("zb_auto", *memory_model_case(random.Random(9500 + i), (0.0, 0.15))) for i in range(20)]
+
+
 def programs(prog):
     return [prog.compute_actions(r) for r in range(prog.pp)]
 

@@ -82,7 +82,7 @@ def test_numbers_of_other_types_are_costs():
         ((1, 2, 4), {}, "compile: schedule must be a str, got int 1"),
         (("zb_auto", 2, 4), dict(f="1"), "compile: f must be a number or a sequence of numbers"),
         (("zb_auto", 2, 4), dict(comm="0"), "compile: comm must be a number, got str '0'"),
-        (("zb_auto", 2, 4), dict(memory_cap=2.5), "compile: memory_cap must be an int, got float 2.5"),
+        (("zb_auto", 2, 4), dict(memory_cap="2"), "compile: memory_cap must be a number, got str '2'"),
         (("zb_auto", 2, 4), dict(search_threads="2"), "compile: search_threads must be an int, got str '2'"),
     ],
 )

@@ -17,9 +17,11 @@
 #include "list_scheduler.h"
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <utility>
 
+#include "../stage_values.h"
 #include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
@@ -114,10 +116,12 @@ class ProposalTree {
 
 class ListScheduler {
  public:
-  ListScheduler(Program& p, const CostModel& costs, const std::vector<int>& cap,
-                const PolicyGrid& grid, const PolicyIndex& at, PolicySet* cell)
+  ListScheduler(Program& p, const CostModel& costs, const MemoryModel& memory,
+                const std::vector<double>& cap, const PolicyGrid& grid, const PolicyIndex& at,
+                PolicySet* cell)
       : p_(p), cap_(cap), grid_(grid), at_(at), cell_(cell), warmup_(grid.warmups[at[kWarmup]]),
         m_(p.microbatches), ns_(p.num_stages), last_stage_(p.num_stages - 1), comm_(costs.comm),
+        per_(p.num_stages, costs, memory),
         end_f_(static_cast<size_t>(ns_) * m_, kNever), end_i_(end_f_),
         sim_f_(end_f_.size(), 0.0), sim_i_(end_f_.size(), 0.0),
         next_f_(ns_, 0), next_i_(ns_, 0), done_w_(ns_, 0), f_ready_(ns_, kNever),
@@ -128,19 +132,21 @@ class ListScheduler {
     pol_.avoid_delaying_backward = grid.avoids[at[kAvoid]];
     pol_.recycle_first = grid.recycles[at[kRecycle]];
     pol_.deep_first = grid.deeps[at[kDeep]];
-    for (int s = 0; s < ns_; ++s) {
-      f_.push_back(costs.forward(s));
-      b_.push_back(costs.backward_input(s));
-      w_.push_back(costs.backward_weight(s));
-    }
     // tail_[s]: the least time from the start of F(s, mb) to the end of W(s, mb): the forwards
     // down to the last stage, the backward-inputs back, W, and comm at each change of rank.
     tail_.assign(ns_, 0.0);
     for (int s = ns_ - 1; s >= 0; --s) {
       const double hop = s + 1 < ns_ && !same_rank(s, s + 1) ? 2.0 * comm_ : 0.0;
-      tail_[s] = f_[s] + b_[s] + (s + 1 < ns_ ? tail_[s + 1] - w_[s + 1] + hop : 0.0) + w_[s];
+      tail_[s] = per_.f(s) + per_.b(s) + (s + 1 < ns_ ? tail_[s + 1] - per_.w(s + 1) + hop : 0.0) + per_.w(s);
     }
+    // to_first_[s]: the least time from the end of I(s, mb) to the end of W(0, mb): the
+    // backward-inputs down to stage 0, with comm at each change of rank, and stage 0's W.
+    to_first_.assign(ns_, 0.0);
+    for (int s = 1; s < ns_; ++s)
+      to_first_[s] = to_first_[s - 1] + (same_rank(s - 1, s) ? 0.0 : comm_) + per_.b(s - 1) +
+                     (s == 1 ? per_.w(0) : 0.0);
     if (m_ > 0) f_ready_[0] = 0.0;
+    one_stage_ = p.num_stages == p.pp;
     for (int r = 0; r < p.pp; ++r) {
       RankState& rk = ranks_[r];
       for (int s : p.stages_of(r)) {
@@ -148,18 +154,22 @@ class ListScheduler {
         rk.stage[rk.nstages++] = s;
       }
       ZB_CHECK(rk.nstages >= 1, "rank ", r, " holds no stage");
-      ZB_CHECK(cap[r] >= rk.nstages, "rank ", r, " cap ", cap[r], " below its stage count");
+      for (int k = 0; k < rk.nstages; ++k) rk.entry_mem += per_.held_by_forward(rk.stage[k]);
+      ZB_CHECK(within_cap(rk.entry_mem, cap[r]), "rank ", r, " cap ", cap[r],
+               " below one microbatch of its stages (", rk.entry_mem, ")");
       ZB_CHECK(static_cast<int>(warmup_.size()) == p.pp, "one warm-up value per rank");
       rk.left_fi = 2 * m_ * rk.nstages;
-      for (int k = 0; k < rk.nstages; ++k)
-        rk.left_work += m_ * (f_[rk.stage[k]] + b_[rk.stage[k]] + w_[rk.stage[k]]);
+      for (int k = 0; k < rk.nstages; ++k) {
+        rk.left_work += m_ * (per_.f(rk.stage[k]) + per_.b(rk.stage[k]) + per_.w(rk.stage[k]));
+        rk.left_fi_work += m_ * (per_.f(rk.stage[k]) + per_.b(rk.stage[k]));
+      }
       rk.pending_w.reserve(static_cast<size_t>(m_) * rk.nstages);
       p.ranks[r].clear();
       p.ranks[r].reserve(static_cast<size_t>(3) * m_ * rk.nstages);
     }
   }
 
-  ListRunResult run(double bound) {
+  ListRunResult run(const RunBound& bound) {
     int left = 0;
     for (const auto& rk : ranks_) left += rk.left_fi + rk.left_fi / 2;  // F + I + W
     for (int r = 0; r < p_.pp; ++r) mark_dirty(r);
@@ -183,8 +193,18 @@ class ListScheduler {
       apply(r, props_[r].choice);
       --left;
       // Its clock plus the compute it still owes bounds the rank's last end from below (the
-      // running sum drifts by float noise only, far below the bound's margin).
-      if (ranks_[r].sim_clock + ranks_[r].left_work > bound || drain_bound(r) > bound) return {};
+      // running sum drifts by float noise only, far below the bound's margin); the rank has
+      // started, so its span is that end minus its first start. Rank 0 ends no earlier than
+      // this rank's last I plus that microbatch's way back (first_rank_bound).
+      const RankState& rk = ranks_[r];
+      const double last_end = std::max(rk.sim_clock + rk.left_work, drain_bound(r));
+      const double first_end = first_rank_bound(r);
+      const double makespan = std::max(last_end, first_end);
+      const double span = std::max(last_end - rk.first_start, first_end - ranks_[0].first_start);
+      const bool by_span = bound.objective == Objective::kSpan;
+      if ((by_span ? span : makespan) > bound.objective_bar ||
+          (by_span ? makespan : span) > bound.other_bar)
+        return {};
     }
     return result();
   }
@@ -194,38 +214,78 @@ class ListScheduler {
     std::array<int, 2> stage{};       // local stages, ascending (= the order a microbatch visits)
     int nstages = 0;
     double clock = 0.0;               // when the rank is next free
-    int live = 0;                     // activations held (F started, W not done)
+    int live = 0;                     // (stage, microbatch) units held (F started, W not done)
+    double mem = 0.0;                 // memory held (memory_model.h)
+    double entry_mem = 0.0;           // what a microbatch entering the rank reserves: one F per stage
     bool backward_started = false;    // warm-up ends at the first I
     Kind last = Kind::W;              // last F or I run, for Order::kAlternate
     std::vector<std::pair<int, int>> pending_w;  // (stage, mb) whose I ran, FIFO from w_head
     size_t w_head = 0;
     int left_fi = 0;                  // F and I actions not yet run
     double left_work = 0.0;           // compute time of the actions not yet run
+    double left_fi_work = 0.0;        // the same, of its F and I only
     // The simulator's view of the program so far.
-    double sim_clock = 0.0, first_start = -1.0, busy = 0.0;
-    int peak = 0;
+    double sim_clock = 0.0, first_start = -1.0, busy = 0.0, peak_mem = 0.0;
 
     bool has_w() const { return w_head < pending_w.size(); }
   };
 
   // A second lower bound of a one-stage rank's last end: its last microbatch's W ends at least
   // tail_ after that microbatch's F starts, and before that F the rank must run every earlier
-  // F of the stage and, to have room for it under the cap, the W (and their I) of all but
-  // cap - 1 earlier microbatches. It exceeds clock + work left when the drain (the last
-  // microbatch's round trip) is longer than what the rank still has to do meanwhile.
+  // F of the stage and, to have room for it under the cap, enough I and W of earlier
+  // microbatches to free all but cap - mem_f of their memory (least_time_to_free). It exceeds
+  // clock + work left when the drain (the last microbatch's round trip) is longer than what
+  // the rank still has to do meanwhile.
   double drain_bound(int r) const {
     const RankState& rk = ranks_[r];
     if (rk.nstages != 1) return 0.0;  // a V rank's cap is sized to its drain: no gain there
     const int s = rk.stage[0], last = m_ - 1;
     if (next_f_[s] > last) {
       if (next_i_[s] > last) return 0.0;  // only W left: clock + work left says it all
-      return sim_f_[idx(s, last)] - f_[s] + tail_[s];
+      return sim_f_[idx(s, last)] - per_.f(s) + tail_[s];
     }
-    const int freed = m_ - cap_[r];  // W done before the last F may start
-    const double before = (last - next_f_[s]) * f_[s] +
-                          std::max(0, freed - done_w_[s]) * w_[s] +
-                          std::max(0, freed - next_i_[s]) * b_[s];
+    // Held at the last F's start, after the forwards still owed: at most cap - mem_f.
+    const double to_free = rk.mem + (m_ - next_f_[s]) * per_.held_by_forward(s) - cap_[r];
+    const double before = (last - next_f_[s]) * per_.f(s) +
+                          least_time_to_free(s, to_free, next_i_[s] - done_w_[s]);
     return rk.sim_clock + before + tail_[s];
+  }
+
+  // The least compute time in which stage s's rank can free `amount` more memory, with
+  // `pending` W whose I already ran: the optimum of the linear relaxation
+  //   min b x + w y  s.t.  (mem_f - mem_w) x + mem_w y >= amount,  y <= x + pending,  x, y >= 0
+  // (x more I, y more W; a W needs its I), taken at the best of its feasible vertices.
+  double least_time_to_free(int s, double amount, int pending) const {
+    if (amount <= 0.0) return 0.0;
+    const double by_i = per_.of(s, Kind::I).freed, by_w = per_.of(s, Kind::W).freed;
+    double best = kNever;
+    if (by_i > 0.0) best = per_.b(s) * amount / by_i;                      // I only
+    if (by_w > 0.0 && amount <= by_w * pending) best = std::min(best, per_.w(s) * amount / by_w);
+    if (amount > by_w * pending) {                                     // every pending W, then I + W
+      const double x = (amount - by_w * pending) / (by_i + by_w);
+      best = std::min(best, per_.b(s) * x + per_.w(s) * (x + pending));
+    }
+    return best;
+  }
+
+  // A lower bound of rank 0's last end from one-stage rank r > 0: r's last I ends no earlier
+  // than its clock plus the F and I it still owes and the W the cap forces before its last F
+  // (or ended when it ran), and rank 0 then runs that microbatch's W after the backward-inputs
+  // down to it. 0 when it does not apply.
+  double first_rank_bound(int r) const {
+    if (!one_stage_ || r == 0) return 0.0;
+    const RankState& rk = ranks_[r];
+    const int s = rk.stage[0];
+    if (next_i_[s] == m_) return sim_i_[idx(s, m_ - 1)] + to_first_[s];
+    double forced = 0.0;
+    const double by_w = per_.of(s, Kind::W).freed;
+    if (next_f_[s] < m_ && by_w > 0.0) {
+      // Held at the last F's start at most cap - mem_f; every I but the last one's may help.
+      const double to_free = rk.mem + (m_ - next_f_[s]) * per_.held_by_forward(s) - cap_[r] -
+                             (m_ - 1 - next_i_[s]) * per_.of(s, Kind::I).freed;
+      if (to_free > 1e-9 * cap_[r]) forced = std::ceil(to_free / by_w - 1e-9) * per_.w(s);
+    }
+    return rk.sim_clock + rk.left_fi_work + forced + to_first_[s];
   }
 
   size_t idx(int s, int mb) const { return static_cast<size_t>(s) * m_ + mb; }
@@ -235,7 +295,7 @@ class ListScheduler {
     return same_rank(from, to) ? t : t + comm_;
   }
   // The scheduler chooses F, I and W only (Choice::kind).
-  double cost(const Choice& ch) const { return ch.kind == Kind::F ? f_[ch.stage] : ch.kind == Kind::I ? b_[ch.stage] : w_[ch.stage]; }
+  double cost(const Choice& ch) const { return ch.kind == Kind::F ? per_.f(ch.stage) : ch.kind == Kind::I ? per_.b(ch.stage) : per_.w(ch.stage); }
   bool admits(const RankState& rk, int s) const { return s == rk.stage[0]; }
 
   void mark_dirty(int r) {
@@ -275,9 +335,9 @@ class ListScheduler {
       const double ready = f_ready_[s];
       // Entering: room for this F and the later-stage F some admitted microbatch still owes.
       const bool entering = admits(rk, s);
-      const int need = rk.live + (entering ? rk.nstages : 1);
-      bool fits = need <= cap_[r];
+      bool fits = within_cap(rk.mem + (entering ? rk.entry_mem : per_.held_by_forward(s)), cap_[r]);
       if (fits && entering && !rk.backward_started) {
+        const int need = rk.live + rk.nstages;
         fits = need <= warmup_[r];
         narrow(kWarmup, [&](int i) { return (need <= grid_.warmups[i][r]) == fits; });
       }
@@ -319,7 +379,7 @@ class ListScheduler {
     double held = kNever;
     const Choice f = next_forward(r, held), b = next_backward(r);
     const bool f_now = f.ready <= t + kEps, b_now = b.ready <= t + kEps;
-    const double tw = has_w ? w_[rk.pending_w[rk.w_head].first] : 0.0;
+    const double tw = has_w ? per_.w(rk.pending_w[rk.w_head].first) : 0.0;
     auto fill_fits = [&](double gap) {
       if (!has_w) return false;
       auto fits = [&](double ratio) { return ratio >= 0.0 && gap + kEps >= ratio * tw; };
@@ -345,7 +405,7 @@ class ListScheduler {
     if (b_now) return {true, b, t};
     if (f_now) {
       // An F ending after the backward's input lands would delay that backward.
-      if (b.ready < t + f_[f.stage] - kEps) {
+      if (b.ready < t + per_.f(f.stage) - kEps) {
         narrow_to_own(kAvoid);
         if (pol_.avoid_delaying_backward) {
           if (fill_fits(b.ready - t)) return run_w(r);
@@ -405,6 +465,7 @@ class ListScheduler {
     rk.sim_clock = finish;
     rk.busy += duration;
     rk.left_work -= duration;
+    if (ch.kind != Kind::W) rk.left_fi_work -= duration;
     mark_dirty(r);
     switch (ch.kind) {
       case Kind::F: {
@@ -414,7 +475,9 @@ class ListScheduler {
         ++next_f_[s];
         f_ready_[s] = forward_ready(s);
         if (next_i_[s] == ch.mb) i_ready_[s] = backward_ready(s);  // its own F was missing
-        rk.peak = std::max(rk.peak, ++rk.live);
+        ++rk.live;
+        rk.mem += per_.of(s, Kind::F).added;
+        rk.peak_mem = std::max(rk.peak_mem, rk.mem);
         --rk.left_fi;
         rk.last = Kind::F;
         // The consuming stage's rank reads this end time only if it waits for this microbatch.
@@ -432,6 +495,7 @@ class ListScheduler {
         ++next_i_[s];
         i_ready_[s] = backward_ready(s);
         rk.backward_started = true;
+        rk.mem -= per_.of(s, Kind::I).freed;
         rk.pending_w.emplace_back(s, ch.mb);
         --rk.left_fi;
         rk.last = Kind::I;
@@ -444,6 +508,7 @@ class ListScheduler {
       }
       case Kind::W:
         --rk.live;
+        rk.mem -= per_.of(ch.stage, Kind::W).freed;
         ++done_w_[ch.stage];
         ++rk.w_head;
         break;
@@ -468,14 +533,14 @@ class ListScheduler {
       const double span = rk.first_start < 0.0 ? 0.0 : rk.sim_clock - rk.first_start;
       res.max_span = std::max(res.max_span, span);
       total_busy += rk.busy;
-      res.peak_activations.push_back(rk.peak);
+      res.peak_memory.push_back(rk.peak_mem);
     }
     res.bubble_rate = res.max_span > 0.0 ? 1.0 - total_busy / (p_.pp * res.max_span) : 0.0;
     return res;
   }
 
   Program& p_;
-  const std::vector<int>& cap_;
+  const std::vector<double>& cap_;
   const PolicyGrid& grid_;
   const PolicyIndex at_;
   PolicySet* const cell_;
@@ -483,8 +548,10 @@ class ListScheduler {
   ListPolicy pol_;
   const int m_, ns_, last_stage_;
   const double comm_;
-  std::vector<double> f_, b_, w_;       // per-stage costs
+  const StageTable per_;               // per-stage costs and memory deltas
   std::vector<double> tail_;            // per stage: least time from F start to W end
+  std::vector<double> to_first_;        // per stage: least time from its I end to W(0) end
+  bool one_stage_ = false;              // every rank holds one stage
   std::vector<double> end_f_, end_i_;   // scheduler's end time per (stage, mb); kNever = not run
   std::vector<double> sim_f_, sim_i_;   // the simulator's end times of the same actions
   std::vector<int> next_f_, next_i_;    // per stage: next microbatch to run F / I on (in order)
@@ -498,27 +565,28 @@ class ListScheduler {
 
 }  // namespace
 
-ListRunResult run_list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
-                                const PolicyGrid& grid, const PolicyIndex& at, PolicySet* cell,
-                                double bound) {
+ListRunResult run_list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
+                                const std::vector<double>& cap, const PolicyGrid& grid,
+                                const PolicyIndex& at, PolicySet* cell, const RunBound& bound) {
   ZB_CHECK(static_cast<int>(cap.size()) == p.pp, "cap needs one value per rank");
   ZB_CHECK(static_cast<int>(p.ranks.size()) == p.pp, "program has ", p.ranks.size(),
            " rank lists for pp=", p.pp);
   for (int k = 0; k < kNumKnobs; ++k)
     ZB_CHECK(at[k] >= 0 && at[k] < grid.size(static_cast<Knob>(k)), "grid index out of range");
   ZB_CHECK(cell == nullptr || cell->contains(at), "the policy set must contain the run's policy");
-  return ListScheduler(p, costs, cap, grid, at, cell).run(bound);
+  return ListScheduler(p, costs, memory, cap, grid, at, cell).run(bound);
 }
 
-void list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
-                   const std::vector<int>& warmup, const ListPolicy& policy) {
+void list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
+                   const std::vector<double>& cap, const std::vector<int>& warmup,
+                   const ListPolicy& policy) {
   const PolicyGrid grid{{warmup},
                         {policy.order},
                         {policy.fill_ratio},
                         {policy.avoid_delaying_backward},
                         {policy.recycle_first},
                         {policy.deep_first}};
-  run_list_schedule(p, costs, cap, grid, PolicyIndex{}, nullptr);
+  run_list_schedule(p, costs, memory, cap, grid, PolicyIndex{}, nullptr);
 }
 
 }  // namespace zbpipe::detail

@@ -1,6 +1,6 @@
 // Greedy list scheduler shared by the cost-driven builders (zb_auto, v_half, v_min): it plays
 // the pipeline forward in time under the simulator's cost model and, whenever a rank is free,
-// picks its next F / I / W by a small policy, never exceeding a per-rank activation cap.
+// picks its next F / I / W by a small policy, never exceeding a per-rank memory cap.
 #pragma once
 
 #include <array>
@@ -9,7 +9,9 @@
 #include <vector>
 
 #include "zbpipe/cost_model.h"
+#include "zbpipe/memory_model.h"
 #include "zbpipe/program.h"
+#include "zbpipe/simulator.h"
 
 namespace zbpipe::detail {
 
@@ -26,7 +28,7 @@ struct ListPolicy {
   // arrives before that F could end; idle (or fill with a W) instead.
   bool avoid_delaying_backward = false;
   // When a forward is held back only by the memory cap, run a W first even if an I is ready
-  // (I frees nothing; with this, a full rank behaves like 1F1B, whose B is I + W).
+  // (with this, a full rank behaves like 1F1B, whose B is I + W).
   bool recycle_first = false;
   // With several stages per rank: among ready forwards prefer the later stage (depth first).
   bool deep_first = true;
@@ -59,65 +61,88 @@ struct PolicySet {
 
 // The simulator's numbers for the program a run built (zbpipe::simulate's arithmetic, in the
 // same order, so they are equal to the last bit), or complete=false when the run stopped early
-// because its makespan could no longer stay within the bound it was given.
+// because its objective could no longer stay within the bound it was given.
 struct ListRunResult {
   bool complete = false;
   double makespan = 0.0, max_span = 0.0, bubble_rate = 0.0;
-  std::vector<int> peak_activations;  // per rank
+  std::vector<double> peak_memory;  // per rank
 };
 
-// Activation accounting is the simulator's: one unit per (stage, microbatch) from F start to
-// W end; every rank stays within cap[r] units. With 2 stages per rank (V), a microbatch enters a
-// rank only if it leaves room for one more F: the later-stage F that the oldest admitted
-// microbatch still owes runs first (stages run F in microbatch order), that microbatch then needs
-// no more memory to finish its backward and W, so a full rank never deadlocks. 1 or 2 stages per
-// rank, cap[r] >= stages per rank. The warm-up vector additionally bounds, per rank, the units
-// held before a microbatch enters a rank that has not run its first backward yet (the warm-up
-// depth). Fills `p.ranks` (compute-only, I/W split); `p` comes with its topology.
+// Memory accounting is the simulator's (memory_model.h: F adds mem_f at its start, I frees
+// mem_f - mem_w and W frees mem_w at their ends); every rank stays within cap[r]. With 2 stages
+// per rank (V), a microbatch enters a rank only if it leaves room for one more F: the
+// later-stage F that the oldest admitted microbatch still owes runs first (stages run F in
+// microbatch order), that microbatch then needs no more memory to finish its backward and W, so
+// a full rank never deadlocks. 1 or 2 stages per rank; cap[r] holds at least one microbatch of
+// each of the rank's stages. The warm-up vector additionally bounds, per rank, the
+// (stage, microbatch) units held before a microbatch enters a rank that has not run its first
+// backward yet (the warm-up depth; nothing is freed before it, so units count forwards). Fills
+// `p.ranks` (compute-only, I/W split); `p` comes with its topology.
 //
 // The run uses grid point `at`. When `cell` is given (it must contain `at`), every knob check
 // the run makes removes from it the values that would have decided differently, so afterwards
 // every policy left in `cell` builds exactly this program (or stops at the same point). The run
-// stops (complete=false) as soon as a lower bound of some rank's last end exceeds `bound`: its
-// clock plus its remaining work, or (one stage per rank) its last microbatch's drain.
-ListRunResult run_list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
-                                const PolicyGrid& grid, const PolicyIndex& at, PolicySet* cell,
-                                double bound = std::numeric_limits<double>::infinity());
+// stops (complete=false) as soon as a lower bound of its objective exceeds bound.objective_bar
+// or one of the other metric exceeds bound.other_bar: a rank's last end is at least its clock
+// plus its remaining work, or (one stage per rank) its last microbatch's drain, and rank 0's
+// at least a later rank's last I plus that microbatch's way back; a span is a last end less the
+// rank's first start.
+struct RunBound {
+  Objective objective = Objective::kMakespan;
+  double objective_bar = std::numeric_limits<double>::infinity();
+  double other_bar = std::numeric_limits<double>::infinity();
+};
+ListRunResult run_list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
+                                const std::vector<double>& cap, const PolicyGrid& grid,
+                                const PolicyIndex& at, PolicySet* cell,
+                                const RunBound& bound = {});
 
 // One policy, one warm-up vector, no bound (a grid of one point).
-void list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
-                   const std::vector<int>& warmup, const ListPolicy& policy);
+void list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
+                   const std::vector<double>& cap, const std::vector<int>& warmup,
+                   const ListPolicy& policy);
 
-// A fixed schedule's compute-only program offered to the search, and how much it binds it.
+// A fixed schedule's compute-only program offered to the search, and how much it binds it: a
+// reference is one the pick must match, the primary one (a reference; of several seeds marked
+// primary, the last that fits the cap) one it must match even when no candidate matches all.
 struct Seed {
   enum class Role { kCandidate, kReference, kPrimary };
   Program program;
   Role role = Role::kCandidate;
   bool must_fit = false;  // the builder guarantees it fits the cap: a breach is an internal error
+  // The simulator's numbers for `program`, when its builder timed it the simulator's way (the
+  // search then skips the simulation, except in exhaustive mode, which always simulates).
+  ListRunResult timing{};
 };
 
 // Runs list_schedule for every point of the grid, scores each candidate with the simulator's
 // numbers and returns the best. Seeds that fit the cap (on the same topology) are candidates
 // too. The pick matches or beats, on both makespan and longest span (bubble rate is monotone in
-// it), every fitting reference if some candidate does; failing that, the primary one (at most
-// one; it is a candidate itself, so this always holds when it fits). Within that pool: lowest
-// worst ratio to any reference on either metric, then makespan, bubble rate and total peak
-// activations; among equals the first tried. Makespan and span can disagree (a schedule may end
-// later on the last rank yet keep every rank's span shorter), which is why both are compared.
+// it; under Objective::kSpan on the span alone), every fitting reference if some candidate
+// does; failing that, the primary one (it is a candidate itself, so this always holds when it
+// fits). Within that pool: lowest
+// worst ratio to any reference on either metric, then the objective (makespan, or longest
+// span), the other one, bubble rate and total peak memory; among equals the first tried.
+// Makespan and span can disagree (a schedule may end later on the last rank yet keep every
+// rank's span shorter), which is why both are compared.
 //
 // The pick is the one an exhaustive run of the grid would make, found with less work: grid
 // points whose runs consulted no knob value that tells them apart build one program and run
 // once; once some candidate matches every reference, a run stops as soon as it can no longer
-// reach that candidate's makespan; only the best candidate is kept; the grid points are shared
+// reach that candidate's objective (or, once that objective sits at `floor`, where nothing can
+// beat it, its other metric); only the best candidate is kept; the grid points are shared
 // out among `threads` workers (0: one per CPU this process may use, at most 8), which pick the
 // same program as one. `exhaustive` runs every grid point to the end on one thread and scores
 // it with zbpipe::simulate instead (the reference the savings are checked against).
 struct SearchMode {
   bool exhaustive = false;
   int threads = 0;
+  Objective objective = Objective::kMakespan;
+  double floor = 0.0;  // a lower bound of the objective over every program (0: none known)
 };
 Program search_list_schedules(const Program& shell, const CostModel& costs,
-                              const std::vector<int>& cap, const PolicyGrid& grid,
+                              const MemoryModel& memory, const std::vector<double>& cap,
+                              const PolicyGrid& grid,
                               const std::vector<Seed>& seeds, const SearchMode& mode = {});
 
 }  // namespace zbpipe::detail

@@ -3,8 +3,8 @@
 //   - Grid points that no knob check of a run tells apart build the same program: each run
 //     narrows a set of grid points to those that decide as it did, and all of them are done.
 //   - Once a candidate matches every reference it is the bar: a run stops as soon as one rank's
-//     lower bound of its last end (clock plus remaining work, or its drain) exceeds that
-//     candidate's makespan (it could only
+//     lower bound of its last end (clock plus remaining work, or its drain; less its first
+//     start when the objective is the span) exceeds that candidate's objective (it could only
 //     lose), and all grid points still in its set stop with it.
 //   - Candidates are scored from the scheduler's own simulated timing, and only the best one
 //     is copied out.
@@ -35,33 +35,37 @@ namespace {
 // rounding keeps float noise from choosing between equal schedules.
 struct Score {
   double makespan, max_span, bubble;
-  long memory;  // sum of per-rank peaks
+  double memory;  // sum of per-rank peaks
 };
 
 double round9(double x) { return std::round(x * 1e9) / 1e9; }
 
-Score make_score(double makespan, double max_span, double bubble, const std::vector<int>& peaks) {
-  long mem = 0;
-  for (int peak : peaks) mem += peak;
-  return {round9(makespan), round9(max_span), round9(bubble), mem};
+Score make_score(double makespan, double max_span, double bubble,
+                 const std::vector<double>& peaks) {
+  double mem = 0.0;
+  for (double peak : peaks) mem += peak;
+  return {round9(makespan), round9(max_span), round9(bubble), round9(mem)};
 }
 
 Score score_of(const SimResult& res) {
   return make_score(res.makespan, *std::max_element(res.span.begin(), res.span.end()),
-                    res.bubble_rate, res.peak_activations);
+                    res.bubble_rate, res.peak_memory);
 }
 
 // How much worse than `ref` a candidate is on its worse metric (1 = no worse on either).
-double regret(const Score& c, const Score& ref) {
+// Under Objective::kSpan only the span counts (the paper's own heuristic may end a step later
+// than ZB-H2 yet keep every rank's span shorter, and that is its point).
+double regret(const Score& c, const Score& ref, Objective objective) {
   auto ratio = [](double x, double y) {
     return y > 0.0 ? x / y : (x > 0.0 ? std::numeric_limits<double>::infinity() : 1.0);
   };
-  return std::max(ratio(c.makespan, ref.makespan), ratio(c.max_span, ref.max_span));
+  const double span = ratio(c.max_span, ref.max_span);
+  return objective == Objective::kSpan ? span : std::max(ratio(c.makespan, ref.makespan), span);
 }
 
-bool fits_cap(const std::vector<int>& peaks, const std::vector<int>& cap) {
+bool fits_cap(const std::vector<double>& peaks, const std::vector<double>& cap) {
   for (size_t r = 0; r < peaks.size(); ++r)
-    if (peaks[r] > cap[r]) return false;
+    if (!within_cap(peaks[r], cap[r])) return false;
   return true;
 }
 
@@ -70,15 +74,18 @@ bool fits_cap(const std::vector<int>& peaks, const std::vector<int>& cap) {
 // longer be picked and are not kept.
 class Picker {
  public:
-  Picker(std::vector<Score> refs, int primary) : refs_(std::move(refs)), primary_(primary) {}
+  Picker(std::vector<Score> refs, int primary, Objective objective)
+      : refs_(std::move(refs)), primary_(primary), objective_(objective) {}
 
   // `order` is the offer's place in the serial search (seeds first, then grid points in grid
   // order): among equal keys the lowest wins, whatever order the workers offered them in.
   void offer(const Score& c, const Program& program, long order) {
     double worst = 1.0;
-    for (const Score& ref : refs_) worst = std::max(worst, round9(regret(c, ref)));
-    const Key key{worst, c.makespan, c.bubble, c.memory};
-    const bool pool[3] = {worst <= 1.0, primary_ >= 0 && regret(c, refs_[primary_]) <= 1.0, true};
+    for (const Score& ref : refs_) worst = std::max(worst, round9(regret(c, ref, objective_)));
+    const bool span = objective_ == Objective::kSpan;
+    const Key key{worst, span ? c.max_span : c.makespan, span ? c.makespan : c.max_span,
+                  c.bubble, c.memory};
+    const bool pool[3] = {worst <= 1.0, primary_ >= 0 && regret(c, refs_[primary_], objective_) <= 1.0, true};
     for (int t = 0; t < 3; ++t) {
       if (!pool[t] || (t > 0 && best_[0].set)) continue;
       if (better(key, order, best_[t])) best_[t] = {true, key, order, program};
@@ -93,12 +100,13 @@ class Picker {
     }
   }
 
-  // The makespan a run must stay within to still be picked (infinite while pool 0 is empty).
-  double bound() const {
-    if (!best_[0].set) return std::numeric_limits<double>::infinity();
-    const double makespan = std::get<1>(best_[0].key);
-    // Far above float noise in a run's running bound, far below any real difference.
-    return makespan + 1e-6 * (1.0 + makespan);
+  // The objective a run must stay within to still be picked (infinite while pool 0 is empty).
+  double bound() const { return best_[0].set ? with_margin(std::get<1>(best_[0].key)) : kNone; }
+  // The other metric a run must stay within, once the best objective sits at `floor` (a lower
+  // bound of every program's): a run can then only tie on the objective (infinite otherwise).
+  double other_bound(double floor) const {
+    if (!best_[0].set || std::get<1>(best_[0].key) > floor + 1e-9 * (1.0 + floor)) return kNone;
+    return with_margin(std::get<2>(best_[0].key));
   }
 
   Program take() {
@@ -109,20 +117,31 @@ class Picker {
   }
 
  private:
-  using Key = std::tuple<double, double, double, long>;  // worst ratio, makespan, bubble, memory
+  // Worst ratio, objective, the other metric, bubble, memory.
+  using Key = std::tuple<double, double, double, double, double>;
   struct Best {
     bool set = false;
     Key key;
     long order = 0;
     Program program;
   };
+  static constexpr double kNone = std::numeric_limits<double>::infinity();
+  // Far above float noise in a run's running bound, far below any real difference.
+  static double with_margin(double x) { return x + 1e-6 * (1.0 + x); }
   static bool better(const Key& key, long order, const Best& than) {
     return !than.set || key < than.key || (key == than.key && order < than.order);
   }
   std::vector<Score> refs_;
   int primary_;
+  Objective objective_;
   Best best_[3];
 };
+
+// Lowers `bar` to `to` unless another worker has gone lower already.
+void lower(std::atomic<double>& bar, double to) {
+  for (double b = bar.load(); to < b && !bar.compare_exchange_weak(b, to);) {
+  }
+}
 
 // Grid point number `n` in the order the knobs nest (warm-up outermost, depth-first innermost).
 PolicyIndex grid_point(const PolicyGrid& g, int n) {
@@ -152,9 +171,11 @@ PolicyGrid PolicyGrid::standard(std::vector<std::vector<int>> warmups,
 }
 
 Program search_list_schedules(const Program& shell, const CostModel& costs,
-                              const std::vector<int>& cap, const PolicyGrid& grid,
-                              const std::vector<Seed>& seeds, const SearchMode& mode) {
+                              const MemoryModel& memory, const std::vector<double>& cap,
+                              const PolicyGrid& grid, const std::vector<Seed>& seeds,
+                              const SearchMode& mode) {
   costs.check(shell.num_stages);
+  memory.check(shell.num_stages);
   ZB_SCHEDULE_CHECK(mode.threads >= 0, shell.schedule,
                     ": search_threads must be >= 0 (0 = one per CPU), got ", mode.threads);
   // Seeds: the references first (every candidate is measured against all of them).
@@ -163,18 +184,26 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   std::vector<Score> refs;
   int primary = -1;  // index into refs
   for (const Seed& seed : seeds) {
-    const SimResult res = simulate(seed.program, costs);
-    const bool fits = fits_cap(res.peak_activations, cap);
+    Score sc;
+    bool fits;
+    if (seed.timing.complete && !mode.exhaustive) {
+      const ListRunResult& t = seed.timing;
+      sc = make_score(t.makespan, t.max_span, t.bubble_rate, t.peak_memory);
+      fits = fits_cap(t.peak_memory, cap);
+    } else {
+      const SimResult res = simulate(seed.program, costs, memory, false);
+      sc = score_of(res);
+      fits = fits_cap(res.peak_memory, cap);
+    }
     ZB_CHECK(fits || !seed.must_fit, "'", seed.program.schedule,
              "' seed breaks the memory cap it is built for");
-    const Score sc = score_of(res);
     seed_scores.push_back(sc);
     seed_fits.push_back(fits);
     if (!fits) continue;  // a seed that does not fit the cap is no reference
     if (seed.role == Seed::Role::kPrimary) primary = static_cast<int>(refs.size());
     if (seed.role != Seed::Role::kCandidate) refs.push_back(sc);
   }
-  Picker picker(refs, primary);
+  Picker picker(refs, primary, mode.objective);
   const long first = -static_cast<long>(seeds.size());  // seeds come before every grid point
   for (size_t i = 0; i < seeds.size(); ++i)
     if (seed_fits[i]) picker.offer(seed_scores[i], seeds[i].program, first + static_cast<long>(i));
@@ -183,15 +212,17 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   for (int k = 0; k < kNumKnobs; ++k) points *= grid.size(static_cast<Knob>(k));
   const bool exhaustive = mode.exhaustive;
   // Workers take grid points in order from one counter. The pick does not depend on how they
-  // interleave: a run stops only when it can no longer reach the best pool-0 makespan found so
-  // far, which is never below the final pick's, and equal keys go to the lowest order. A stale
-  // `done` flag or `bar` (relaxed loads) costs only a duplicate run or a later stop.
+  // interleave: a run stops only when it can no longer reach the best pool-0 objective found so
+  // far (or its other metric, once that objective is at the floor), which is never below the
+  // final pick's, and equal keys go to the lowest order. A stale `done` flag or bar (relaxed
+  // loads) costs only a duplicate run or a later stop.
   const int workers = exhaustive ? 1 : std::min(search_thread_count(mode.threads), points);
   std::atomic<int> next{0};
   std::atomic<bool> failed{false};
-  std::atomic<double> bar{picker.bound()};  // the lowest bound any worker has reached
+  // The lowest bounds any worker has reached.
+  std::atomic<double> bar{picker.bound()}, other_bar{picker.other_bound(mode.floor)};
   std::vector<std::atomic<char>> done(points);
-  std::vector<Picker> picks(workers, Picker(refs, primary));
+  std::vector<Picker> picks(workers, Picker(refs, primary, mode.objective));
   std::vector<std::exception_ptr> errors(workers);
   std::vector<int> error_at(workers, points);
   const CancelShare cancel;  // helpers stop with the caller's Ctrl-C (cancel.h)
@@ -207,25 +238,26 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
         poll_cancel();
         const PolicyIndex at = grid_point(grid, n);
         PolicySet cell = PolicySet::all(grid);
-        // `bar` is already at or below this worker's own bound: it lowers it after each offer.
+        // The bars are already at or below this worker's own bounds: it lowers them after
+        // each offer.
+        const RunBound bound{mode.objective, bar.load(std::memory_order_relaxed),
+                             other_bar.load(std::memory_order_relaxed)};
         const ListRunResult run =
-            exhaustive ? run_list_schedule(cand, costs, cap, grid, at, nullptr)
-                       : run_list_schedule(cand, costs, cap, grid, at, &cell,
-                                           bar.load(std::memory_order_relaxed));
+            exhaustive ? run_list_schedule(cand, costs, memory, cap, grid, at, nullptr)
+                       : run_list_schedule(cand, costs, memory, cap, grid, at, &cell, bound);
         if (!exhaustive)
           for (int j = n + 1; j < points; ++j)
             if (cell.contains(grid_point(grid, j))) done[j].store(1, std::memory_order_relaxed);
         if (!run.complete) continue;
-        ZB_CHECK(fits_cap(run.peak_activations, cap), "list scheduler broke the memory cap on '",
+        ZB_CHECK(fits_cap(run.peak_memory, cap), "list scheduler broke the memory cap on '",
                  shell.schedule, "'");
         // The reference scores with the simulator itself.
-        mine.offer(exhaustive ? score_of(simulate(cand, costs))
+        mine.offer(exhaustive ? score_of(simulate(cand, costs, memory, false))
                               : make_score(run.makespan, run.max_span, run.bubble_rate,
-                                           run.peak_activations),
+                                           run.peak_memory),
                    cand, n);
-        const double reached = mine.bound();
-        for (double b = bar.load(); reached < b && !bar.compare_exchange_weak(b, reached);) {
-        }
+        lower(bar, mine.bound());
+        lower(other_bar, mine.other_bound(mode.floor));
       }
     } catch (...) {
       errors[id] = std::current_exception();

@@ -1,6 +1,7 @@
 // Lays a V building block out over the microbatches (see v_blocks.h).
 #include "v_blocks.h"
 
+#include <cmath>
 #include <deque>
 #include <map>
 #include <utility>
@@ -55,22 +56,32 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
                             const std::vector<VBlock>& blocks, int cap_units) {
   check_basic_args(name, a);
   const int spr = resolve_stages_per_rank(name, a, 2, 2, 2);
-  ZB_SCHEDULE_CHECK(a.memory_cap == 0 || a.memory_cap == cap_units, name,
-                    " fixes its memory cap at ", cap_units,
-                    " (stage, microbatch) units per rank for pp=", a.pp, ", got memory_cap=",
-                    a.memory_cap, " (zb_auto takes any cap)");
   Program shell = make_program(name, a, spr, "v");
   a.costs.check(shell.num_stages);
+  a.memory.check(shell.num_stages);
+  // cap_units / 2 microbatches of both of a rank's stages, in mem_f's units.
+  std::vector<double> cap(a.pp);
+  for (int r = 0; r < a.pp; ++r) {
+    cap[r] = cap_units / 2 * (a.memory.forward(r) + a.memory.forward(2 * a.pp - 1 - r));
+    ZB_SCHEDULE_CHECK(a.memory_cap == 0.0 || std::abs(a.memory_cap - cap[r]) <= 1e-9 * cap[r],
+                      name, " fixes its memory cap at ", cap[r], " per rank (", cap_units,
+                      " (stage, microbatch) units of mem_f) for pp=", a.pp, ", got memory_cap=",
+                      a.memory_cap, " (zb_auto takes any cap)");
+  }
   ZB_CHECK(static_cast<int>(blocks.size()) == a.pp, "one V block per rank");
   Program laid_out = shell;
   for (int r = 0; r < a.pp; ++r)
     laid_out.ranks[r] = lay_out_rank(blocks[r], r, 2 * a.pp - 1 - r, a.microbatches);
-  // The block's memory bound holds by construction; the search's simulation confirms it.
-  const std::vector<int> cap(a.pp, cap_units);
+  // The block's memory bound holds by construction when a rank's two stages hold the same
+  // mem_f; the search's simulation confirms it.
+  bool even = true;
+  for (int r = 0; r < a.pp; ++r)
+    even = even && a.memory.forward(r) == a.memory.forward(2 * a.pp - 1 - r);
   std::vector<Seed> seeds;
-  seeds.push_back({std::move(laid_out), Seed::Role::kPrimary, /*must_fit=*/true});
-  Program best = search_list_schedules(shell, a.costs, cap, PolicyGrid::standard({cap}, true),
-                                       seeds, {a.exhaustive_search, a.search_threads});
+  seeds.push_back({std::move(laid_out), Seed::Role::kPrimary, /*must_fit=*/even});
+  Program best = search_list_schedules(
+      shell, a.costs, a.memory, cap, PolicyGrid::standard({std::vector<int>(a.pp, cap_units)}, true),
+      seeds, {a.exhaustive_search, a.search_threads});
   best.schedule = name;
   return best;
 }

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "zbpipe/cost_model.h"
+#include "zbpipe/memory_model.h"
 #include "zbpipe/program.h"
 
 namespace zbpipe {
@@ -16,11 +17,17 @@ struct BuildArgs {
   int microbatches = 0;
   int stages_per_rank = 0;  // 0 = the schedule's default; rejected where the schedule fixes it
   CostModel costs{};        // steers the cost-driven builders (zb_auto, v_half, v_min)
-  int memory_cap = 0;       // activations per rank in microbatches; 0 = the schedule's default
+  MemoryModel memory{};     // their memory deltas per action kind (memory_model.h)
+  // Memory per rank in mem_f's units (microbatches of one stage at mem_f = 1); 0 = the
+  // schedule's default.
+  double memory_cap = 0.0;
   // Cost-driven builders: run every point of the search grid to the end and score it with the
   // simulator (no merging of points that build the same program, no bound, no scores from the
   // scheduler's timing): the reference the fast search must agree with.
   bool exhaustive_search = false;
+  // zb_auto: run the refinement pass (refine.h) on the search's pick. Off, the pick is the
+  // heuristics' alone (the figures the Zero Bubble paper publishes).
+  bool refine = true;
   // Cost-driven builders: threads that share the search grid (0 = search_thread_count's
   // default). The program does not depend on it.
   int search_threads = 0;
@@ -36,10 +43,11 @@ struct BuildArgs {
 inline constexpr int kMaxSearchThreads = 8;
 int search_thread_count(int requested);
 
-// The options a caller may set beyond the sizes: the cost model's fields, the memory cap, and
-// the search mode of the cost-driven builders.
+// The options a caller may set beyond the sizes: the cost model's fields, the memory model's,
+// the memory cap, and the search mode of the cost-driven builders.
 inline const std::vector<std::string> kBuildOptions = {
-    "f", "b", "w", "b_full", "comm", "memory_cap", "exhaustive_search", "search_threads"};
+    "f",     "b",          "w",         "b_full",        "comm", "mem_f",
+    "mem_w", "memory_cap", "exhaustive_search", "search_threads", "refine"};
 
 using Builder = std::function<Program(const BuildArgs&)>;
 

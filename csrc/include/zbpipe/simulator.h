@@ -4,7 +4,9 @@
 // when the rank is free and its inputs exist (cross-rank inputs arrive `comm` after the
 // producer ends, same-rank ones at once). Communication actions take no rank time (the runtime
 // overlaps them). Activations: one unit per (stage, microbatch) from the start of its F until
-// the end of its last backward action (B, or W when split). Not modelled: bandwidth contention,
+// the end of its last backward action (B, or W when split). Memory: the deltas of
+// memory_model.h (F adds mem_f at its start, B / I / W free their part at their end; the parts
+// of an OVERLAP_F_B start and end together). Not modelled: bandwidth contention,
 // stream overlap inside OVERLAP_F_B (its cost is F + B), optimizer step, memory of weights.
 //
 // Bubble rate follows the Zero Bubble paper (Qi et al. 2023, section 2): a rank's time is its
@@ -19,6 +21,7 @@
 #include <vector>
 
 #include "zbpipe/cost_model.h"
+#include "zbpipe/memory_model.h"
 #include "zbpipe/program.h"
 
 namespace zbpipe {
@@ -37,10 +40,20 @@ struct SimResult {
   std::vector<double> busy;               // compute time per rank
   std::vector<double> span;               // per rank: last compute end - first compute start
   std::vector<int> peak_activations;      // per rank, in microbatches
+  std::vector<double> peak_memory;        // per rank, in mem_f's units (memory_model.h)
   std::vector<TimelineEvent> timeline;    // compute actions, sorted by (rank, start)
 };
 
-// Throws ScheduleError (with the grid) if the compute order deadlocks.
-SimResult simulate(const Program& p, const CostModel& costs);
+// What a search or refinement minimizes first: the makespan, or the longest rank span, the Zero
+// Bubble paper's measure (its bubble rate is monotone in it: with steps run back to back and no
+// step-wide sync, a rank starts its next step's work as soon as its own span ends). The other
+// one breaks ties.
+enum class Objective { kMakespan, kSpan };
+
+// Throws ScheduleError (with the grid) if the compute order deadlocks, or if the costs or the
+// memory model do not fit the program. with_timeline=false leaves `timeline` empty (the
+// searches score thousands of programs and read only the numbers).
+SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& memory = {},
+                   bool with_timeline = true);
 
 }  // namespace zbpipe
