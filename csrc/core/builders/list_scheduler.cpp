@@ -213,7 +213,7 @@ class ListScheduler {
   // microbatch's round trip) is longer than what the rank still has to do meanwhile.
   double drain_bound(int r) const {
     const RankState& rk = ranks_[r];
-    if (rk.nstages != 1) return 0.0;  // a V rank's cap is sized to its drain: no gain there
+    if (rk.nstages != 1) return v_drain_bound(r);
     const int s = rk.stage[0], last = m_ - 1;
     if (next_f_[s] > last) {
       if (next_i_[s] > last) return 0.0;  // only W left: clock + work left says it all
@@ -224,6 +224,26 @@ class ListScheduler {
                           std::max(0, freed - done_w_[s]) * w_[s] +
                           std::max(0, freed - next_i_[s]) * b_[s];
     return rk.sim_clock + before + tail_[s];
+  }
+
+  // A V rank (stages s0 < s1): the last microbatch enters (F on s0) only with live <= cap - 2.
+  // By then every earlier F of s0 has run and each F of s1 that ran is a unit too, so W done
+  // >= last + F1 - cap + 2 (F1: F of s1 run by then); a W of either stage of microbatch k waits
+  // for F(s1, k) (I(s0, k) follows I(s1, k) round the V), so W done <= 2 F1, hence F1 >= last
+  // - cap + 2. Those F, F1, W and their I run before it, its round trip tail_ after it. A V
+  // cap holds few microbatches, so most of the rank's work must precede that F.
+  double v_drain_bound(int r) const {
+    const RankState& rk = ranks_[r];
+    const int s0 = rk.stage[0], s1 = rk.stage[1], last = m_ - 1, cap = cap_[r];
+    if (next_f_[s0] > last) return 0.0;  // the round trip is under way: clock + work left
+    const int f1 = std::max(next_f_[s1], last - cap + 2);
+    const int w_done = last + f1 - cap + 2;
+    const double before = (last - next_f_[s0]) * f_[s0] + (f1 - next_f_[s1]) * f_[s1] +
+                          std::max(0, w_done - done_w_[s0] - done_w_[s1]) *
+                              std::min(w_[s0], w_[s1]) +
+                          std::max(0, w_done - next_i_[s0] - next_i_[s1]) *
+                              std::min(b_[s0], b_[s1]);
+    return rk.sim_clock + before + tail_[s0];
   }
 
   size_t idx(int s, int mb) const { return static_cast<size_t>(s) * m_ + mb; }

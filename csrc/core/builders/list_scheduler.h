@@ -79,7 +79,7 @@ struct ListRunResult {
 // the run makes removes from it the values that would have decided differently, so afterwards
 // every policy left in `cell` builds exactly this program (or stops at the same point). The run
 // stops (complete=false) as soon as a lower bound of some rank's last end exceeds `bound`: its
-// clock plus its remaining work, or (one stage per rank) its last microbatch's drain.
+// clock plus its remaining work, or its last microbatch's drain.
 ListRunResult run_list_schedule(Program& p, const CostModel& costs, const std::vector<int>& cap,
                                 const PolicyGrid& grid, const PolicyIndex& at, PolicySet* cell,
                                 double bound = std::numeric_limits<double>::infinity());
