@@ -68,13 +68,13 @@ def test_cli_refuses_a_cap_for_a_schedule_without_one(capsys):
 def test_cli_builds_the_v_schedules_under_the_given_costs(capsys):
     # Per-1F1B-stage costs split over the V's two stages, as the simulation uses them.
     costs = dict(f=[18.522 / 2], b=[18.086 / 2], w=[9.337 / 2], comm=0.601)
-    code = main(["simulate", "v_half", "--pp", "4", "-m", "16", "--f", "18.522", "--b", "18.086",
+    code = main(["simulate", "v_half", "--pp", "2", "-m", "16", "--f", "18.522", "--b", "18.086",
                  "--w", "9.337", "--comm", "0.601"])
     out = capsys.readouterr().out
     assert code == 0
-    built = zbpipe.simulate(zbpipe.compile("v_half", 4, 16, **costs), costs["f"], costs["b"],
+    built = zbpipe.simulate(zbpipe.compile("v_half", 2, 16, **costs), costs["f"], costs["b"],
                             costs["w"], costs["comm"])
-    unit = zbpipe.simulate(zbpipe.compile("v_half", 4, 16), costs["f"], costs["b"], costs["w"],
+    unit = zbpipe.simulate(zbpipe.compile("v_half", 2, 16), costs["f"], costs["b"], costs["w"],
                            costs["comm"])
     assert built.makespan < unit.makespan - 1.0  # the costs change the build here
     assert f"makespan: {built.makespan:.4f}" in out

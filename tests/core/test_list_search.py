@@ -65,6 +65,24 @@ CASES += [("zb_auto", *memory_model_case(random.Random(9000 + i), (0.2, 0.9))) f
 CASES += [("zb_auto", *memory_model_case(random.Random(9500 + i), (0.0, 0.15))) for i in range(20)]
 
 
+def long_v_case(rng):
+    # The same for the V schedules, whose drain bound also counts what the cap makes a rank run
+    # before its last microbatch may enter.
+    pp = rng.randint(2, 8)
+    m = rng.randint(1, 4 * pp)
+    f, b = rng.uniform(0.5, 2.0), rng.uniform(0.5, 2.0)
+    jitter = rng.choice([0.0, 0.2, 0.6])
+    costs = {"f": [f * rng.uniform(1 - jitter, 1 + jitter) for _ in range(2 * pp)],
+             "b": [b * rng.uniform(1 - jitter, 1 + jitter) for _ in range(2 * pp)],
+             "w": [rng.uniform(0.1, 1.5) for _ in range(2 * pp)],
+             "comm": rng.choice([0.0, 0.05, 0.3])}
+    return pp, m, costs
+
+
+CASES += [(name, *long_v_case(random.Random(8000 + 2 * i + j)))
+          for j, name in enumerate(("v_half", "v_min")) for i in range(20)]
+
+
 def programs(prog):
     return [prog.compute_actions(r) for r in range(prog.pp)]
 

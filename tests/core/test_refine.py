@@ -51,14 +51,15 @@ def test_valid_same_actions_within_the_cap_and_never_worse(name, seed):
 
 
 def test_it_lowers_v_half_below_its_search_at_the_v_papers_cap():
-    # v_half's own pick at p=8, m=24 under the 1.5B costs (0.2011); refined within V-Half's cap
-    # of (p+2)//2 microbatches of both stages (10 units per rank): 0.1847.
+    # v_half's own pick at p=8, m=24 under the 1.5B costs equals the V paper's reference
+    # V-Half (0.1702); refined within V-Half's cap of (p+2)//2 microbatches of both stages (10
+    # units per rank) it goes below it: 0.1671.
     prog = zbpipe.compile("v_half", 8, 24, **V_COSTS)
     before = zbpipe.simulate(prog, **V_COSTS)
     out = zbpipe.refine(prog, **V_COSTS, memory_cap=10)
     after = zbpipe.simulate(out, **V_COSTS)
-    assert before.bubble_rate == pytest.approx(0.2011, abs=5e-5)
-    assert after.bubble_rate <= 0.1847 + 5e-5
+    assert before.bubble_rate == pytest.approx(0.1702, abs=5e-5)
+    assert after.bubble_rate <= 0.1671 + 5e-5
     assert max(after.peak_activations) <= 10
 
 

@@ -238,7 +238,7 @@ class ListScheduler {
   // the rank still has to do meanwhile.
   double drain_bound(int r) const {
     const RankState& rk = ranks_[r];
-    if (rk.nstages != 1) return 0.0;  // a V rank's cap is sized to its drain: no gain there
+    if (rk.nstages != 1) return v_drain_bound(r);
     const int s = rk.stage[0], last = m_ - 1;
     if (next_f_[s] > last) {
       if (next_i_[s] > last) return 0.0;  // only W left: clock + work left says it all
@@ -286,6 +286,31 @@ class ListScheduler {
       if (to_free > 1e-9 * cap_[r]) forced = std::ceil(to_free / by_w - 1e-9) * per_.w(s);
     }
     return rk.sim_clock + rk.left_fi_work + forced + to_first_[s];
+  }
+
+  // A V rank (stages s0 < s1) under whole-microbatch memory (both stages hold the same u from
+  // F to W, I frees nothing; otherwise 0: no bound): with cap = cap / u microbatch units, the
+  // last microbatch enters (F on s0) only with live <= cap - 2. By then every earlier F of s0
+  // has run and each F of s1 that ran is a unit too, so W done >= last + F1 - cap + 2 (F1: F of
+  // s1 run by then); a W of either stage of microbatch k waits for F(s1, k) (I(s0, k) follows
+  // I(s1, k) round the V), so W done <= 2 F1, hence F1 >= last - cap + 2. Those F, F1, W and
+  // their I run before it, its round trip tail_ after it. A V cap holds few microbatches, so
+  // most of the rank's work must precede that F.
+  double v_drain_bound(int r) const {
+    const RankState& rk = ranks_[r];
+    const int s0 = rk.stage[0], s1 = rk.stage[1], last = m_ - 1;
+    const double u = per_.held_by_forward(s0);
+    if (u <= 0.0 || per_.held_by_forward(s1) != u || per_.of(s0, Kind::I).freed != 0.0 ||
+        per_.of(s1, Kind::I).freed != 0.0)
+      return 0.0;
+    const int cap = static_cast<int>(std::floor(cap_[r] / u + 1e-9));
+    if (next_f_[s0] > last) return 0.0;  // the round trip is under way: clock + work left
+    const int f1 = std::max(next_f_[s1], last - cap + 2);
+    const int w_done = last + f1 - cap + 2;
+    const double before = (last - next_f_[s0]) * per_.f(s0) + (f1 - next_f_[s1]) * per_.f(s1) +
+                          std::max(0, w_done - done_w_[s0] - done_w_[s1]) * std::min(per_.w(s0), per_.w(s1)) +
+                          std::max(0, w_done - next_i_[s0] - next_i_[s1]) * std::min(per_.b(s0), per_.b(s1));
+    return rk.sim_clock + before + tail_[s0];
   }
 
   size_t idx(int s, int mb) const { return static_cast<size_t>(s) * m_ + mb; }

@@ -1,45 +1,44 @@
 // Lays a V building block out over the microbatches (see v_blocks.h).
 #include "v_blocks.h"
 
+#include <algorithm>
 #include <cmath>
 #include <deque>
-#include <map>
 #include <utility>
 
 #include "list_scheduler.h"
+#include "v_post_passes.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe::detail {
 
 namespace {
 
-constexpr int kSlotsPerMicrobatch = 6;  // F, F, I, I, W, W on each rank
-
 // One rank's compute order: the block's passes at their slots, each free slot taking the oldest
 // pending W (the paper's W placement), the W left over drained at the end.
 std::vector<Action> lay_out_rank(const VBlock& blk, int s0, int s1, int m) {
-  // Phase 1: F and I passes at slot + 6k.
-  std::map<int, Action> slots;
+  // Phase 1: F and I passes at slot + 6k (an empty Action: a free slot).
   const std::pair<int, Action> passes[] = {{blk.f_chunk0, {s0, Kind::F, 0}},
                                            {blk.f_chunk1, {s1, Kind::F, 0}},
                                            {blk.i_chunk1, {s1, Kind::I, 0}},
                                            {blk.i_chunk0, {s0, Kind::I, 0}}};
+  int last = 0;
+  for (const auto& pass : passes) last = std::max(last, pass.first + kSlotsPerMicrobatch * (m - 1));
+  std::vector<Action> slots(last + 1);
   for (int k = 0; k < m; ++k)
     for (const auto& [slot, pass] : passes) {
-      const int t = slot + kSlotsPerMicrobatch * k;
-      ZB_CHECK(!slots.count(t), "V block puts two passes in slot ", t);
-      slots[t] = Action(pass.stage, pass.kind, k);
+      Action& at = slots[slot + kSlotsPerMicrobatch * k];
+      ZB_CHECK(at.stage < 0, "V block puts two passes in slot ", slot + kSlotsPerMicrobatch * k);
+      at = Action(pass.stage, pass.kind, k);
     }
   // Phase 2: walk the slots; an empty one runs the oldest pending W.
   std::vector<Action> out;
+  out.reserve(static_cast<size_t>(kSlotsPerMicrobatch) * m);
   std::deque<Action> pending_w;
-  const int last = slots.rbegin()->first;
-  for (int t = 0; t <= last; ++t) {
-    auto it = slots.find(t);
-    if (it != slots.end()) {
-      out.push_back(it->second);
-      if (it->second.kind == Kind::I)
-        pending_w.emplace_back(it->second.stage, Kind::W, it->second.microbatch);
+  for (const Action& at : slots) {
+    if (at.stage >= 0) {
+      out.push_back(at);
+      if (at.kind == Kind::I) pending_w.emplace_back(at.stage, Kind::W, at.microbatch);
     } else if (!pending_w.empty()) {
       out.push_back(pending_w.front());
       pending_w.pop_front();
@@ -72,13 +71,20 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
   Program laid_out = shell;
   for (int r = 0; r < a.pp; ++r)
     laid_out.ranks[r] = lay_out_rank(blocks[r], r, 2 * a.pp - 1 - r, a.microbatches);
-  // The block's memory bound holds by construction when a rank's two stages hold the same
-  // mem_f; the search's simulation confirms it.
+  // Two seeds: the block as laid out, and the block after the paper's post-passes, which never
+  // raise a rank above the laid-out block's highest peak of (stage, microbatch) units
+  // (v_post_passes.h). Both hold the cap by construction when a rank's two stages hold the
+  // same mem_f (a unit then holds at most mem_f); the search's simulation confirms it. The
+  // post-passed one is primary; the laid-out one stays a reference, so the pick is never
+  // behind it on makespan or span when some candidate matches both.
   bool even = true;
   for (int r = 0; r < a.pp; ++r)
     even = even && a.memory.forward(r) == a.memory.forward(2 * a.pp - 1 - r);
+  Program reordered = shell;
+  reordered.ranks = reorder_v_block(blocks, a.microbatches);
   std::vector<Seed> seeds;
-  seeds.push_back({std::move(laid_out), Seed::Role::kPrimary, /*must_fit=*/even});
+  seeds.push_back({std::move(reordered), Seed::Role::kPrimary, /*must_fit=*/even});
+  seeds.push_back({std::move(laid_out), Seed::Role::kReference, /*must_fit=*/even});
   Program best = search_list_schedules(
       shell, a.costs, a.memory, cap, PolicyGrid::standard({std::vector<int>(a.pp, cap_units)}, true),
       seeds, {a.exhaustive_search, a.search_threads});

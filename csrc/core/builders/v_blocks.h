@@ -10,9 +10,12 @@
 
 namespace zbpipe::detail {
 
+// A rank spends 6 slots per microbatch: two F, two I, two W.
+inline constexpr int kSlotsPerMicrobatch = 6;
+
 // Slots (unit-cost time steps) of one rank's four passes of microbatch 0 in the repeating
-// block; microbatch k runs each at slot + 6k (a rank spends 6 slots per microbatch: two F, two
-// I, two W). Chunk 0 is stage r (the V's way down), chunk 1 stage 2p-1-r (the way back up).
+// block; microbatch k runs each at slot + kSlotsPerMicrobatch * k. Chunk 0 is stage r (the V's
+// way down), chunk 1 stage 2p-1-r (the way back up).
 struct VBlock {
   int f_chunk0;  // F of stage r
   int f_chunk1;  // F of stage 2p-1-r
@@ -21,10 +24,11 @@ struct VBlock {
 };
 
 // Checks the request (V topology, 2 stages per rank fixed, memory_cap 0 or `cap_units`), lays
-// `blocks` (one per rank) out over every microbatch, and returns the better of that program and
-// what the list scheduler finds under the same cap and costs (it must match or beat the block
-// layout on makespan and bubble to be chosen). `cap_units` counts (stage, microbatch) units; the
-// block layout is checked to stay within it.
+// `blocks` (one per rank) out over every microbatch twice, as is and refined by the paper's
+// post-passes (v_post_passes.h), and returns the best of those two and what the list scheduler
+// finds under the same cap and costs (a searched program must match or beat both layouts on
+// makespan and span to be chosen; failing that, the refined layout is the bar). `cap_units`
+// counts (stage, microbatch) units; both layouts are checked to stay within it.
 Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
                             const std::vector<VBlock>& blocks, int cap_units);
 
