@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from . import _tree
+from .checkpointing import recompute_once
 from .data_parallel import adapter_for
 from .deferred_linear import DeferredLinearHook
 
@@ -138,6 +139,12 @@ class PipelineStage:
 
     def _zb_forward(self, mb: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         """Flat outputs (the executor detaches what it sends), or [loss] on the last stage."""
+        if self._has_backward:  # checkpointed regions made here recompute once (issue #21)
+            with recompute_once():
+                return self._zb_forward_inner(mb, inputs)
+        return self._zb_forward_inner(mb, inputs)
+
+    def _zb_forward_inner(self, mb: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
         if not self._has_backward:
             with torch.no_grad():
                 out = self._call(mb, inputs)
@@ -252,7 +259,9 @@ class PipelineStage:
                     args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_structure))
 
                 def meta_call(*a, **k):
-                    return torch.func.functional_call(module, state, a, k)
+                    # tie_weights=False: with a submodule registered twice (weights shared by
+                    # module), torch's tie handling swaps it twice and restores it to meta.
+                    return torch.func.functional_call(module, state, a, k, tie_weights=False)
 
                 return self._invoke(meta_call, tuple(args), {**named, **meta_kw})
             except Exception:
