@@ -201,15 +201,19 @@ def _reference_grads(ref: Stage, x, g):
     return xr.grad, [p.grad for p in ref.parameters()]
 
 
+CUDA = pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"))
+
+
 @pytest.mark.parametrize("form", ["checkpoint", "wrapper", "sac", "tied", "block_full", "block_sac"])
 @pytest.mark.parametrize("split", [True, False], ids=["I+W", "B"])
-def test_one_recomputation_in_i_and_exact(form, split):
+@pytest.mark.parametrize("device", ["cpu", CUDA])  # CUDA: nodes run on the engine's device thread
+def test_one_recomputation_in_i_and_exact(form, split, device):
     torch.manual_seed(0)
-    ref = Stage(form)
+    ref = Stage(form).to(device)
     ref.form = "none"
     model = ref.checkpointed(form)
     shape = (2, 3, WIDTH) if form.startswith("block") else (4, WIDTH)
-    x, g = torch.randn(shape), torch.randn(shape)
+    x, g = torch.randn(shape, device=device), torch.randn(shape, device=device)
     dx_ref, grads_ref = _reference_grads(ref, x, g)
     xs = x.clone().requires_grad_(True)
     with recompute_once():
