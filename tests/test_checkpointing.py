@@ -326,6 +326,41 @@ def test_torch_rule_outside_a_stage_forward():
     (_dx,), work = _C.backward_input([out], [torch.ones(4, 6)], [x])
     _C.backward_weight(work)
     assert len(calls) == 2  # the forward, I's recomputation
+    # A region another thread makes while this one runs a stage's forward is torch's too.
+    calls.clear()
+    with recompute_once():
+        made = []
+        worker = threading.Thread(target=lambda: made.append(checkpoint(fn, x, use_reentrant=False) + x))
+        worker.start()
+        worker.join()
+    (_dx,), work = _C.backward_input(made, [torch.ones(4, 6)], [x])
+    _C.backward_weight(work)
+    assert len(calls) == 3
+
+
+def test_backward_inside_the_checkpointed_forward_keeps_torchs_rule():
+    """torch's Rule 6: a region may run a backward of its own while its forward runs (here an
+    input gradient it returns); unpacks before the forward completes follow torch's rule."""
+    lin = nn.Linear(6, 6)
+
+    def fn(t):
+        h = torch.tanh(lin(t))
+        (gt,) = torch.autograd.grad(h.sum(), t, create_graph=True)
+        return h * gt
+
+    ref = copy.deepcopy(lin)
+    x, g = torch.randn(4, 6), torch.randn(4, 6)
+    xr = x.clone().requires_grad_(True)
+    hr = torch.tanh(ref(xr))
+    (gr,) = torch.autograd.grad(hr.sum(), xr, create_graph=True)
+    (hr * gr).backward(g)
+    xs = x.clone().requires_grad_(True)
+    with recompute_once():
+        out = checkpoint(fn, xs, use_reentrant=False)
+    (dx,), work = _C.backward_input([out], [g], [xs])
+    _C.backward_weight(work)
+    torch.testing.assert_close(dx, xr.grad, rtol=RTOL, atol=ATOL)
+    torch.testing.assert_close(lin.weight.grad, ref.weight.grad, rtol=RTOL, atol=ATOL)
 
 
 def test_nested_regions_and_debug_mode():
