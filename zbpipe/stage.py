@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import _tree
+from .checkpointing import recompute_once
 from .data_parallel import adapter_for
 from .deferred_linear import DeferredLinearHook
 
@@ -166,6 +167,12 @@ class PipelineStage:
         """(tensors, loss, output) for the executor (ForwardResult): the flat outputs, None,
         None on every stage but the last; there [loss] when the step trains (else []), the
         detached loss (None without a loss_fn) and the detached output when kept (else None)."""
+        if step.train:  # checkpointed regions made here recompute once (issue #21)
+            with recompute_once():
+                return self._zb_forward_inner(step, mb, inputs)
+        return self._zb_forward_inner(step, mb, inputs)
+
+    def _zb_forward_inner(self, step: StepData, mb: int, inputs: list[torch.Tensor]):
         if not step.train:
             with torch.no_grad():
                 out = self._call(step, mb, inputs)
@@ -271,7 +278,9 @@ class PipelineStage:
             args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_parsed))
 
         def meta_call(*a, **k):
-            return torch.func.functional_call(module, state, a, k)
+            # tie_weights=False: with a submodule registered twice (weights shared by module),
+            # torch's tie handling swaps it twice and restores it to meta.
+            return torch.func.functional_call(module, state, a, k, tie_weights=False)
 
         return self._invoke(meta_call, tuple(args), {**named, **kwargs})
 

@@ -19,6 +19,7 @@
 #include "zbpipe/error.h"
 #include "zbpipe/passes.h"
 #include "zbpipe/program_io.h"
+#include "runtime/checkpoint_once.h"
 #include "runtime/errors.h"
 
 namespace py = pybind11;
@@ -223,6 +224,9 @@ void register_backward(py::module_& m) {
         "SplitPlanCache reused across microbatches of one stage (None analyses every call).");
   m.def("backward_weight", &runtime::backward_weight, py::arg("work"), py::call_guard<py::gil_scoped_release>(),
         "W: accumulates the parameter gradients captured by backward_input.");
+  m.def("_checkpoint_keeps_unpacked", &runtime::checkpoint_once::keeps_unpacked,
+        "True while a boundary node runs its input side in I on this thread: a checkpoint "
+        "unpack keeps the recomputed tensor for the node's re-run in W (zbpipe/checkpointing.py).");
 }
 
 }  // namespace

@@ -15,6 +15,7 @@
 #include <unordered_map>
 #include <unordered_set>
 
+#include "runtime/checkpoint_once.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe::runtime {
@@ -290,7 +291,9 @@ struct SplitPlanCache::Impl {
             "torch.utils.checkpoint with use_reentrant=True, whose backward starts a full "
             "backward of its own and cannot be split into backward-input (I) and "
             "backward-weight (W). Use torch.utils.checkpoint.checkpoint(..., "
-            "use_reentrant=False), or a schedule without I/W (gpipe, 1f1b, interleaved_1f1b).");
+            "use_reentrant=False) (checkpoint_wrapper: checkpoint_impl=CheckpointImpl.NO_REENTRANT, "
+            "its default), which zbpipe recomputes once per stage microbatch, or a schedule "
+            "without I/W (gpipe, 1f1b, interleaved_1f1b).");
       std::vector<uint32_t> to_c, to_w;
       const auto& edges = node->next_edges();
       for (uint32_t k = 0; k < edges.size(); ++k) {
@@ -387,6 +390,10 @@ class BoundaryHooks {
       auto hook = std::make_unique<CaptureInputs>(&into.rerun[k]);
       pre_.emplace_back(order[plan.rerun[k]], hook.get());
       order[plan.rerun[k]]->add_pre_hook(std::move(hook));
+      // Checkpointed tensors it unpacks now are kept for its re-run in W (checkpoint_once.h).
+      auto keep = checkpoint_once::add_keep_hooks(*order[plan.rerun[k]]);
+      pre_.emplace_back(order[plan.rerun[k]], keep.pre);
+      post_.emplace_back(order[plan.rerun[k]], keep.post);
     }
     for (size_t k = 0; k < plan.keep.size(); ++k) {
       auto hook = std::make_unique<CaptureSends>(&plan.sends[k], &into.sent[k]);
@@ -417,6 +424,7 @@ variable_list run_input_side(const Plan& plan, const std::vector<Node*>& order, 
     i_grads.push_back(grads[r]);
   }
   BoundaryHooks hooks(plan, order, captures);
+  checkpoint_once::ClearKeepOnExit clear_keep;
   return run_engine(i_roots, i_grads, /*keep_graph=*/true, /*accumulate_grad=*/false, outputs);
 }
 

@@ -12,9 +12,11 @@
 // only C, and a generated node computes only the outputs whose next node is needed, so a
 // boundary node computes its input side alone (AddmmBackward does dX, not dW). A pre-hook
 // appended last on each boundary node captures the gradient it received, after its tensor
-// pre-hooks, retains_grad hooks and function pre-hooks. After I, the boundary nodes'
-// C-side next edges are cut and every other node of C releases its saved tensors (I's part of
-// the graph is freed at I, and no saved-tensor-hook reference cycle survives).
+// pre-hooks, retains_grad hooks and function pre-hooks; two more bracket its run with the
+// keep flag of checkpoint_once.h (checkpointed tensors it unpacks are kept for W's re-run).
+// After I, the boundary nodes' C-side next edges are cut and every other node of C releases
+// its saved tensors (I's part of the graph is freed at I, and no saved-tensor-hook reference
+// cycle survives).
 // W is one engine run whose roots are (boundary node, input) with the captured gradients,
 // plus the stage outputs computed without touching an input: the boundary nodes re-run with
 // their hooks stripped (so every hook of theirs runs exactly once, in I, and sees what B's

@@ -5,10 +5,12 @@ schedule at pp=4, checked at the end of every forward in three ways on the same 
 counting saved_tensors_hooks pack that keeps the tensor (as save_on_cpu does on CPU: a saved
 output then forms a reference cycle with its node, which only releasing the node's saved
 tensors breaks); no hooks at all (weak references to the storages autograd saved); and
-non-reentrant checkpoint under the counting hook (the checkpoint's saved inputs live as long
-as any node that may recompute from them). With save_on_cpu, a rank's RSS stays flat over 100
-steps of every split (I/W) schedule. Reentrant checkpoint under a split schedule fails at the
-first step, naming use_reentrant=False.
+non-reentrant checkpoint under the counting hook, where a pair holds exactly its input (what
+the counting hook sees) from F to its first backward action (B or I), and from I to W
+exactly what W needs of the recomputed tensors (weak references to the storages the
+recomputation made), nothing of either before or after. With save_on_cpu, a rank's RSS stays
+flat over 100 steps of every split (I/W) schedule. Reentrant checkpoint under a split schedule
+fails at the first step, naming use_reentrant=False.
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 from torch.utils.checkpoint import checkpoint
 
 from helpers.model_registry import build, data
@@ -59,25 +63,46 @@ def _saved_storages(out: torch.Tensor, skip: set[int]) -> list[StorageWeakRef]:
     return list(refs.values())
 
 
+class _Recorded(TorchDispatchMode):
+    """Weak references to the storages of the op outputs made while active, but those in
+    `skip` (the recomputation's own views of its input and of the parameters)."""
+
+    def __init__(self, refs: list, skip: set[int]):
+        super().__init__()
+        self.refs, self.skip = refs, skip
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.untyped_storage().data_ptr() not in self.skip:
+                self.refs.append(StorageWeakRef(t.untyped_storage()))
+        return out
+
+
 class LiveCounter:
     """What each (stage, microbatch) pair of one rank's stages still holds, in `mode`, with a
-    snapshot of the live pairs at the end of every forward."""
+    snapshot of the live pairs at the end of every forward (checkpoint mode: of the pairs
+    holding their input, and of those holding recomputed tensors)."""
 
     def __init__(self, microbatches: int):
         self.m = microbatches
         self.mode = MODES[0]
         self.refs: dict[tuple[int, int], list] = {}
+        self.recomputed: dict[tuple[int, int], list] = {}  # checkpoint mode
         self.calls: dict[int, int] = {}
-        self.snapshots: list[frozenset] = []
+        self.snapshots: list = []
 
     def _alive(self, r) -> bool:
         return not r.expired() if isinstance(r, StorageWeakRef) else r() is not None
 
+    def _pairs(self, refs: dict) -> frozenset:
+        return frozenset(k for k, rs in refs.items() if any(self._alive(r) for r in rs))
+
     def live_pairs(self) -> frozenset:
-        return frozenset(k for k, refs in self.refs.items() if any(self._alive(r) for r in refs))
+        return self._pairs(self.refs)
 
     def live_tensors(self) -> int:
-        return sum(self._alive(r) for refs in self.refs.values() for r in refs)
+        return sum(self._alive(r) for d in (self.refs, self.recomputed) for refs in d.values() for r in refs)
 
     def wrap(self, module: nn.Module, stage: int) -> nn.Module:
         counter = self
@@ -94,6 +119,7 @@ class LiveCounter:
                 counter.calls[stage] = k + 1
                 key = (stage, k % counter.m)  # each stage runs its forwards in microbatch order
                 refs = counter.refs[key] = []
+                recomputed = counter.recomputed[key] = []
                 if counter.mode == "plain":
                     out = self.inner(x)
                     skip = {p.untyped_storage().data_ptr() for p in self.parameters()}
@@ -104,36 +130,58 @@ class LiveCounter:
                         refs.append(weakref.ref(h))
                         return h
 
+                    ran = []
+
+                    def region(t):  # its second call is the recomputation: record what it makes
+                        if not ran:
+                            ran.append(1)
+                            return self.inner(t)
+                        skip = {p.untyped_storage().data_ptr() for p in self.parameters()}
+                        with _Recorded(recomputed, skip | {t.untyped_storage().data_ptr()}):
+                            return self.inner(t)
+
                     with torch.autograd.graph.saved_tensors_hooks(pack, lambda h: h.t):
                         if counter.mode == "checkpoint":
-                            out = checkpoint(self.inner, x, use_reentrant=False)
+                            out = checkpoint(region, x, use_reentrant=False)
                         else:
                             out = self.inner(x)
                 assert refs, f"{counter.mode}: nothing saved for stage {stage}"
-                counter.snapshots.append(counter.live_pairs())
+                if counter.mode == "checkpoint":
+                    counter.snapshots.append((counter.live_pairs(), counter._pairs(counter.recomputed)))
+                else:
+                    counter.snapshots.append(counter.live_pairs())
                 return out
 
         return Counted()
 
 
-def _program_live_sets(prog, rank: int) -> tuple[list[frozenset], list[frozenset]]:
+def _program_live_sets(prog, rank: int) -> tuple[list[frozenset], list[frozenset], list[tuple]]:
     """The rank's live (stage, microbatch) pairs at the end of each of its forwards, in program
     order: a pair is live from its F to its B or W (an OVERLAP_F_B runs F, then B). Also, per
     forward, the pairs its unit's backward half may free while that forward runs (the executor
-    runs an OVERLAP_F_B's halves at the same time): those may already be gone."""
-    live, out, concurrent = set(), [], []
+    runs an OVERLAP_F_B's halves at the same time): those may already be gone; and the live
+    pairs split into those between F and their first backward action (B or I) and those
+    between I and W. Stage 0's input needs no gradient: its I does nothing and its W the whole
+    backward (the recomputation too), so its pairs stay in the first set until W."""
+    before_bwd, after_i, out, concurrent, split = set(), set(), [], [], []
     for action in prog.compute_actions(rank):
         parts = [(int(stage), kind, int(mb)) for stage, kind, mb in re.findall(r"(\d+)([FBIW])(\d+)", action)]
         racing = frozenset((st, mb) for st, kind, mb in parts if kind == "B") if len(parts) > 1 else frozenset()
         for stage, kind, mb in parts:
             pair = (stage, mb)
             if kind == "F":
-                live.add(pair)
-                out.append(frozenset(live))
+                before_bwd.add(pair)
+                out.append(frozenset(before_bwd | after_i))
                 concurrent.append(racing)
-            elif kind in "BW":
-                live.discard(pair)
-    return out, concurrent
+                split.append((frozenset(before_bwd), frozenset(after_i)))
+            elif kind == "I":
+                if stage != 0:
+                    before_bwd.discard(pair)
+                    after_i.add(pair)
+            else:
+                before_bwd.discard(pair)
+                after_i.discard(pair)
+    return out, concurrent, split
 
 
 def _memory(rank, pp, name):
@@ -141,7 +189,7 @@ def _memory(rank, pp, name):
     from the program's, or saved tensors alive after a step."""
     m = 2 * pp
     prog = zbpipe.compile(name, pp, m)
-    want, racing = _program_live_sets(prog, rank)
+    want, racing, split = _program_live_sets(prog, rank)
     assert zbpipe.simulate(prog).peak_activations[rank] == max(map(len, want)), "simulator peak vs program's"
     counter = LiveCounter(m)
     mods = [counter.wrap(mod, s) for s, mod in enumerate(build("mlp", prog.num_stages))]
@@ -154,8 +202,16 @@ def _memory(rank, pp, name):
             sched.step(*((x,) if 0 in mine else ()), target=y if prog.num_stages - 1 in mine else None)
             # Exactly the program's pairs; a pair whose B runs concurrently with this F (the
             # same OVERLAP_F_B) may be freed already, never any other.
-            wrong = [(i, sorted(got), sorted(exp)) for i, (got, exp, race) in
-                     enumerate(zip(counter.snapshots, want, racing)) if not (got <= exp and exp - got <= race)]
+            if mode == "checkpoint":
+                # Inputs from F to B/I; recomputed tensors from I to W (a concurrent B's
+                # recomputation may be under way).
+                wrong = [(i, "inputs", sorted(inp), sorted(exp_in), "recomputed", sorted(rec), sorted(exp_rec))
+                         for i, ((inp, rec), (exp_in, exp_rec), race) in
+                         enumerate(zip(counter.snapshots, split, racing))
+                         if not (inp <= exp_in and exp_in - inp <= race and exp_rec <= rec <= exp_rec | race)]
+            else:
+                wrong = [(i, sorted(got), sorted(exp)) for i, (got, exp, race) in
+                         enumerate(zip(counter.snapshots, want, racing)) if not (got <= exp and exp - got <= race)]
             where = f"{name} rank {rank} {mode} step {k + 1}"
             assert len(counter.snapshots) == len(want), f"{where}: {len(counter.snapshots)} forwards, want {len(want)}"
             assert not wrong, f"{where}: live pairs at the end of forward #i (got, want) {wrong[:2]}"

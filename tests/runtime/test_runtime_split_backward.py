@@ -495,25 +495,6 @@ def test_compiled_stage_is_exact():
     assert_grads_close(model, ref)
 
 
-def test_checkpoint_recomputes_once_per_backward_call():
-    """Non-reentrant checkpoint recomputes once per autograd call (its cache is per graph
-    task), so a split stage recomputes the checkpointed forward in I and again in W (the
-    README says so)."""
-    calls = []
-    a, b = nn.Linear(6, 6), nn.Linear(6, 6)
-
-    def fn(t):
-        calls.append(1)
-        return b(torch.tanh(a(t)))
-
-    x = torch.randn(4, 6, requires_grad=True)
-    out = checkpoint(fn, x, use_reentrant=False) + x
-    (_dx,), work = _C.backward_input([out], [torch.ones(4, 6)], [x])
-    assert len(calls) == 2  # the forward, then I's recomputation
-    _C.backward_weight(work)
-    assert len(calls) == 3  # W's
-
-
 # Where PyTorch 2.13's own split (torch.distributed.pipelining._backward, as its PipelineStage
 # calls it on a stage whose input needs a gradient) is exact and where its W raises; the README's
 # comparison rests on this. Ours is exact on all of them (test_split_equals_full).
