@@ -40,3 +40,21 @@ def merge(chunks: list) -> Any:
     if isinstance(first, dict):
         return {k: merge([c[k] for c in chunks]) for k in first}
     return chunks
+
+
+def presplit(value: Any, n: int, name: str, entry: type | tuple[type, ...] | None = None) -> list | None:
+    """Microbatches the caller split itself (step's arg_mbs / kwarg_mbs / target_mbs), checked
+    as torch checks them: None stays None; otherwise a list (TypeError) of n entries
+    (ValueError), each of type `entry` where given (TypeError naming the microbatch)."""
+    if value is None:
+        return None
+    if not isinstance(value, list):
+        raise TypeError(f"{name} must be a list but got a {type(value)}")
+    if len(value) != n:
+        raise ValueError(f"Expecting {n} {name} but got {len(value)}")
+    if entry is not None:
+        for i, v in enumerate(value):
+            if not isinstance(v, entry):
+                kinds = " or ".join(t.__name__ for t in (entry if isinstance(entry, tuple) else (entry,)))
+                raise TypeError(f"{name}[{i}] must be a {kinds} but got a {type(v)}")
+    return value

@@ -57,6 +57,7 @@ class PipelineContext:
 _TORCH_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W",
                 "OVERLAP_F_B": "OVERLAP_F_B"}
 _CUSTOM_KINDS = ("F", "B", "I", "W", "OVERLAP_F_B")
+_BACKWARD_KINDS = (_C.Kind.B, _C.Kind.I, _C.Kind.W, _C.Kind.OVERLAP_F_B)  # what runs autograd's backward
 
 
 def _custom_kind(kind) -> _C.Kind:
@@ -98,9 +99,18 @@ class PipelineSchedule:
         stages: this rank's PipelineStage, or the list of them (multi-stage schedules).
         n_microbatches: microbatches per step (the batch must split evenly).
         loss_fn: loss_fn(output, target, **loss_kwargs) on the last stage; None runs forward only.
-        scale_grads: gradients of the mean microbatch loss (as one full-batch mean loss); the
-            scaling is applied to each microbatch loss before its backward, so gradients
-            accumulated from earlier steps are not rescaled.
+        scale_grads: gradients of the mean microbatch loss (as one full-batch mean loss; False:
+            of their sum, for a loss_fn that already divides, as torchtitan's). The scaling is
+            applied to each microbatch loss before its backward, so gradients accumulated from
+            earlier steps are not rescaled. Kept as the attribute ``scale_grads``, read at
+            every step, as torch's.
+        backward_requires_autograd: torch's flag for backwards that are not autograd's (its
+            Graph PP): False lets step() run under torch.no_grad() where every backward action
+            of this rank (B, I, W, OVERLAP_F_B) runs a function registered with
+            register_custom_function, which then owns the graph (e.g. runs the forward under
+            torch.enable_grad()). zbpipe's own backward runs the autograd graph of the
+            forward, so a step under no_grad that would run it raises RuntimeError naming
+            the kinds, with either value.
         timeout: seconds any single wait may take before the step fails on this rank.
         device_timing: record per-action device times (accelerators) in trace().
         compile_options: extra zbpipe.compile() arguments, e.g. for zb_auto
@@ -135,6 +145,7 @@ class PipelineSchedule:
 
     schedule: str = ""
     forward_only: bool = False  # the schedule has no backward (inference)
+    _loads_program: bool = False  # the program comes later, from _load_csv (torch's runtime class)
 
     def __init_subclass__(cls, schedule: str | None = None, forward_only: bool | None = None, **kwargs):
         """A schedule class names its compile() name in its bases:
@@ -155,6 +166,7 @@ class PipelineSchedule:
         kwargs_chunk_spec=None,
         output_merge_spec=None,
         scale_grads: bool = True,
+        backward_requires_autograd: bool = True,
         timeout: float = 300.0,
         device_timing: bool = False,
         compile_options: dict | None = None,
@@ -168,7 +180,7 @@ class PipelineSchedule:
             raise NotImplementedError(
                 "zbpipe splits tensors along dim 0 and concatenates outputs along dim 0; custom "
                 "chunk/merge specs are not supported")
-        if not self.schedule and _program is None:
+        if not self.schedule and _program is None and not self._loads_program:
             raise TypeError(f"{type(self).__name__} is a base class: use a schedule class "
                             "(zbpipe.get_schedule_class) or from_program")
         if n_microbatches < 1:
@@ -178,16 +190,20 @@ class PipelineSchedule:
         self._n = n_microbatches
         self._loss_fn = loss_fn
         self._has_backward = loss_fn is not None and not self.forward_only
-        self._scale_grads = scale_grads
+        self.scale_grads = scale_grads
+        self._backward_requires_autograd = backward_requires_autograd
         self._executor_options = dict(
             timeout_s=float(timeout), device_timing=device_timing, prepost_receives=prepost_receives,
             static_shapes=static_shapes, stream_ordered=stream_ordered, overlap_f_b=overlap_f_b)
-        if _program is not None:
-            self.schedule = _program.schedule
-        self._program = _program if _program is not None else self._compiled(compile_options)
-        self._check_program()
         self._eval_program: _C.Program | None = None
         self._executors: dict[bool, _C.Executor] = {}  # training? -> executor of that program
+        # training? -> whether each stage synced gradients when that executor was built
+        self._executor_syncs: dict[bool, list[bool]] = {}
+        self._program: _C.Program | None = None
+        if _program is not None:
+            self._set_program(_program)
+        elif not self._loads_program:
+            self._set_program(self._compiled(compile_options))
         self._custom: dict[_C.Kind, Callable] = {}
         self._ctx: PipelineContext | None = None
         self._last: _C.Executor | None = None  # the executor of the last step (trace)
@@ -202,22 +218,32 @@ class PipelineSchedule:
                                for k, v in (compile_options or {}).items()))
         return _cached_program(self.schedule, pp, self._n, num_stages // pp, not self._has_backward, options)
 
-    def _check_program(self) -> None:
-        """The program fits the stages (any layout that validates, uneven ones included: the
-        executor checks that this rank holds exactly the program's stages), and each
-        data-parallel stage can run it."""
-        prog, pp, num_stages = self._program, self._stages[0].group_size, self._stages[0].num_stages
+    def _set_program(self, prog: _C.Program) -> None:
+        """Takes `prog` after checking that it fits the stages (any layout that validates,
+        uneven ones included: the executor checks that this rank holds exactly the program's
+        stages) and that each data-parallel stage can run it."""
+        pp, num_stages = self._stages[0].group_size, self._stages[0].num_stages
         if prog.pp != pp or prog.num_stages != num_stages:
             raise ValueError(f"program '{prog.schedule}' has pp={prog.pp}, num_stages={prog.num_stages}; "
                              f"the stages say pp={pp}, num_stages={num_stages}")
+        # Which stages' backward the program splits into I and W (data parallelism checks it).
+        self._split = {s.stage_index: any(a.kind == _C.Kind.I and a.stage == s.stage_index
+                                          for a in prog.action_values(s.group_rank)) for s in self._stages}
         for s in self._stages:
-            if s._dp is not None:
-                split = any(a.kind == _C.Kind.I and a.stage == s.stage_index
-                            for a in prog.action_values(s.group_rank))
-                s._dp.check(s.stage_index, split)
+            s._bind_data_parallel(self._split[s.stage_index])
+        self._program, self.schedule = prog, prog.schedule
+        self._eval_program = None
+        self._executors.clear()
+
+    def _bind_data_parallel(self) -> list[bool]:
+        """Every stage's data parallelism as its module is now (torchtitan applies fully_shard
+        and assigns stage.submod after building the stages): whether each syncs gradients."""
+        return [s._bind_data_parallel(self._split[s.stage_index]) for s in self._stages]
 
     @property
     def program(self) -> _C.Program:
+        if self._program is None:
+            raise RuntimeError(f"{type(self).__name__} has no program yet: call _load_csv(path) first")
         return self._program
 
     @classmethod
@@ -228,8 +254,8 @@ class PipelineSchedule:
         return cls(stages, program.microbatches, loss_fn, _program=program, **kwargs)
 
     def _program_for(self, train: bool) -> _C.Program:
-        if train or not _trains(self._program):
-            return self._program
+        if train or not _trains(self.program):
+            return self.program
         if self._eval_program is None:  # the same forwards, in the same order and topology
             self._eval_program = _C.lower(_C.strip_backward(self._program.compute_only()))
         return self._eval_program
@@ -238,11 +264,46 @@ class PipelineSchedule:
         train = train and self._has_backward
         ex = self._executors.get(train)
         if ex is None:
+            program = self._program_for(train)
+            # The executor reads each stage's data parallelism once, here: at the first step.
+            syncs = self._bind_data_parallel()
             ex = self._executors[train] = _C.Executor(
-                self._program_for(train), self._group, {s.stage_index: s for s in self._stages},
+                program, self._group, {s.stage_index: s for s in self._stages},
                 self._stages[0].device, **self._executor_options)
+            self._executor_syncs[train] = syncs
             self._install_custom(ex)
         return ex
+
+    def _check_data_parallel(self, train: bool) -> None:
+        """ValueError where a stage's module gained or lost data parallelism (fully_shard in
+        place, a new stage.submod) after the executor that runs it read it at its first step."""
+        train = train and self._has_backward
+        for s, was, now in zip(self._stages, self._executor_syncs[train], self._bind_data_parallel()):
+            if was != now:
+                raise ValueError(
+                    f"stage {s.stage_index}: its module {'became' if now else 'is no longer'} "
+                    f"data-parallel ({type(s.submod).__name__}) after this schedule's first step; "
+                    "zbpipe reads a stage's data parallelism when a schedule first runs it: wrap "
+                    "the module (and assign stage.submod) before that, or build a new schedule")
+
+    def _check_grad_mode(self) -> None:
+        """step() under torch.no_grad(): torch's RuntimeError, unless backward_requires_autograd
+        is False and registered functions run every backward action of this rank."""
+        if not self._has_backward or torch.is_grad_enabled():
+            return
+        if self._backward_requires_autograd:
+            raise RuntimeError(
+                "zbpipe: step() runs the backward and cannot run with gradients disabled "
+                "(torch.no_grad() / inference_mode); call eval() for a forward-only pass")
+        rank = self._stages[0].group_rank
+        kinds = {a.kind for a in self.program.action_values(rank) if a.is_compute} & set(_BACKWARD_KINDS)
+        missing = sorted(k.name for k in kinds - set(self._custom))
+        if missing:
+            raise RuntimeError(
+                f"zbpipe: step() under torch.no_grad() with backward_requires_autograd=False: "
+                f"this rank's {', '.join(missing)} actions have no function registered "
+                "(register_custom_function), and zbpipe's own backward needs the autograd graph "
+                "of the forward")
 
     def _install_custom(self, ex: _C.Executor) -> None:
         fns = dict(self._custom)
@@ -274,28 +335,41 @@ class PipelineSchedule:
             self._install_custom(ex)
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
-             loss_kwargs: dict | None = None, **kwargs):
+             loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+             target_mbs: list | None = None, **kwargs):
         """One pipelined step over the whole batch: args on the first stage's rank, target on
         the last; kwargs (chunked when they are tensors) reach every stage; loss_kwargs reach
         only the loss function (loss_fn(output, target, **loss_kwargs), not chunked).
         Gradients accumulate into .grad. `losses` is cleared and refilled with the
         microbatch losses. Returns the merged output on the last stage (None with
         return_outputs=False, and elsewhere). Raises RuntimeError under torch.no_grad() when the
-        schedule has a loss_fn, as torch does: use eval() there."""
-        if self._has_backward and not torch.is_grad_enabled():
-            raise RuntimeError(
-                "zbpipe: step() runs the backward and cannot run with gradients disabled "
-                "(torch.no_grad() / inference_mode); call eval() for a forward-only pass")
-        return self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, train=self._has_backward)
+        schedule has a loss_fn, as torch does: use eval() there (or see
+        backward_requires_autograd).
+
+        Pre-split microbatches (torch's keyword-only form, as torchtitan calls it): arg_mbs
+        (first stage's rank) a list of n_microbatches tuples of positional arguments,
+        kwarg_mbs a list of n_microbatches dicts that reach every stage, target_mbs (last
+        stage's rank) a list of n_microbatches targets; each runs as given, nothing is split
+        again. Giving any of the three, even an empty list, selects this form, which cannot be
+        mixed with positional arguments, model keyword arguments or target= (ValueError). A
+        container or entry of the wrong type raises TypeError, a count other than
+        n_microbatches ValueError, as torch's checks do. Microbatch 0 negotiates the step's
+        message shapes: every microbatch must give each stage output that shape."""
+        self._check_grad_mode()
+        inputs = (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        return self._run(inputs, losses, return_outputs, loss_kwargs, train=self._has_backward)
 
     def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
-             loss_kwargs: dict | None = None, **kwargs):
+             loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
+             target_mbs: list | None = None, **kwargs):
         """Forward only, in the schedule's forward order: no gradients, outputs merged on the
-        last stage, losses computed when a loss_fn and target are given. Runs with or without
+        last stage, losses computed when a loss_fn and target (or target_mbs) are given. Takes
+        whole batches or pre-split microbatches as step does. Runs with or without
         torch.no_grad(); every rank of the pipeline calls it together, as step."""
-        return self._run(args, kwargs, target, losses, return_outputs, loss_kwargs, train=False)
+        inputs = (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+        return self._run(inputs, losses, return_outputs, loss_kwargs, train=False)
 
-    def _run(self, args, kwargs, target, losses, return_outputs, loss_kwargs, train: bool):
+    def _run(self, inputs: tuple, losses, return_outputs, loss_kwargs, train: bool):
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list, got {type(losses).__name__}")
         try:
@@ -305,7 +379,8 @@ class PipelineSchedule:
             raise
         with contextlib.ExitStack() as stage_scopes:
             try:  # this rank's own checks: a failure here is told to every peer
-                step = self._step_data(args, kwargs, target, return_outputs, loss_kwargs, train)
+                self._check_data_parallel(train)
+                step = self._step_data(inputs, return_outputs, loss_kwargs, train)
                 first_inputs = None
                 if step.args is not None and not self._executor_options["static_shapes"]:
                     first_inputs = input_signature(step)
@@ -317,7 +392,7 @@ class PipelineSchedule:
             if self._custom:
                 self._ctx = PipelineContext(self, executor, step, losses)
             self._last = executor
-            loss_scale = 1.0 / self._n if self._scale_grads else 1.0
+            loss_scale = 1.0 / self._n if self.scale_grads else 1.0
             try:
                 outputs, mb_losses = executor.run(step, first_inputs, loss_scale)
             finally:
@@ -330,21 +405,40 @@ class PipelineSchedule:
                 losses.extend(mb_losses)
         return microbatch.merge(outputs) if return_outputs else None
 
-    def _step_data(self, args, kwargs, target, return_outputs, loss_kwargs, train: bool) -> StepData:
-        """The step's StepData: positional arguments split where the first stage lives, targets
-        (and the loss) where the last does, keyword arguments everywhere. Raises ValueError for
-        a batch that does not split or a missing target."""
+    def _step_data(self, inputs: tuple, return_outputs, loss_kwargs, train: bool) -> StepData:
+        """The step's StepData: positional arguments where the first stage lives, targets (and
+        the loss) where the last does, keyword arguments everywhere; split here from whole
+        batches, or taken as the caller split them (arg_mbs, kwarg_mbs, target_mbs). Raises
+        ValueError for a batch that does not split, a missing target, or mixed forms."""
+        args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs = inputs
         n = self._n
         step = StepData(train=train, keep_outputs=return_outputs, loss_kwargs=loss_kwargs or {})
-        if any(s.is_first for s in self._stages):
-            step.args = microbatch.split(tuple(args), n, "argument")
-        if kwargs:
-            step.kwargs = microbatch.split(dict(kwargs), n, "keyword argument")
+        has_first = any(s.is_first for s in self._stages)
+        presplit = arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None
+        if presplit:
+            if args or kwargs or target is not None:
+                raise ValueError(
+                    "zbpipe: pre-split arg_mbs / kwarg_mbs / target_mbs cannot be mixed with "
+                    f"whole-batch inputs (got {len(args)} positional argument(s), keyword "
+                    f"argument(s) {sorted(kwargs)}, target {'given' if target is not None else 'None'})")
+            arg_mbs = microbatch.presplit(arg_mbs, n, "arg_mbs", (tuple, list))
+            kwarg_mbs = microbatch.presplit(kwarg_mbs, n, "kwarg_mbs", dict)
+            targets = microbatch.presplit(target_mbs, n, "target_mbs")
+            if has_first:
+                step.args = [tuple(a) for a in arg_mbs] if arg_mbs is not None else [()] * n
+            if kwarg_mbs is not None and any(kwarg_mbs):
+                step.kwargs = kwarg_mbs
+        else:
+            if has_first:
+                step.args = microbatch.split(tuple(args), n, "argument")
+            if kwargs:
+                step.kwargs = microbatch.split(dict(kwargs), n, "keyword argument")
+            targets = target  # the whole batch's; split below where the loss runs
         has_last = any(s.is_last for s in self._stages)
-        if has_last and self._loss_fn is not None and (target is not None or train):
-            if target is None:
-                raise ValueError("zbpipe: the last stage needs target= when a loss_fn is set")
-            step.targets = microbatch.split(target, n, "target")
+        if has_last and self._loss_fn is not None and (targets is not None or train):
+            if targets is None:
+                raise ValueError("zbpipe: the last stage needs target= (or target_mbs=) when a loss_fn is set")
+            step.targets = targets if presplit else microbatch.split(targets, n, "target")
             step.loss_fn = self._loss_fn
         return step
 
@@ -364,6 +458,32 @@ class PipelineScheduleSingle(PipelineSchedule):
 
 class PipelineScheduleMulti(PipelineSchedule):
     """Base of the schedules that take a list of stages per rank (torch's name)."""
+
+
+# torch's private base-class name, which trainers import for type annotations (torchtitan).
+_PipelineSchedule = PipelineSchedule
+
+
+class _PipelineScheduleRuntime(PipelineScheduleMulti):
+    """torch's schedule class for a schedule given as a CSV file (torchtitan's
+    pipeline_parallel_schedule_csv): built with the stages, n_microbatches and any
+    PipelineSchedule option, then given its program by _load_csv(path) before the first step."""
+
+    _loads_program = True
+
+    def _load_csv(self, filename: str, format: str = "compute_only") -> None:
+        """Loads PyTorch's CSV layout (one row per rank) with Program.from_csv: a compute-only
+        file is lowered (SEND/RECV inserted), one with communication kept, either validated;
+        `format` ("compute_only" or "compute_comms", torch's) is checked but both read alike.
+        Raises ScheduleError for an invalid schedule, ValueError where it does not fit the
+        stages or n_microbatches."""
+        if format not in ("compute_only", "compute_comms"):
+            raise NotImplementedError(f"{format=} is not implemented")
+        prog = _C.Program.from_csv(filename)
+        if prog.microbatches != self._n:
+            raise ValueError(f"{filename}: the schedule runs {prog.microbatches} microbatches, the "
+                             f"schedule class was built with n_microbatches={self._n}")
+        self._set_program(prog)
 
 
 class ScheduleGPipe(PipelineScheduleSingle, schedule="gpipe"):

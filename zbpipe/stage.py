@@ -77,6 +77,9 @@ class PipelineStage:
         dw_builder: torch's hook for modules that compute their own weight gradients: the
             backward (B, or I) runs the full autograd backward, then ``dw_builder()`` is called
             and the runner it returns is called at the microbatch's W (right away after a B).
+        get_mesh: torch's callback that rebuilds DTensor stage inputs from the plain tensors
+            received (torchtitan passes one). zbpipe's stages send and receive plain tensors
+            and never call it: it is accepted and kept as ``stage.get_mesh``, with no effect.
 
     Shapes follow the first stage's inputs: a step whose microbatch arguments have a signature
     (shapes, dtypes, structure) no earlier step had renegotiates every stage's shapes (the
@@ -87,7 +90,13 @@ class PipelineStage:
 
     The module may be wrapped in ``DistributedDataParallel`` or be the root of ``fully_shard``
     (FSDP2) over a data-parallel group: gradients are then reduced once per step, at the stage's
-    last backward action (see zbpipe/data_parallel.py).
+    last backward action (see zbpipe/data_parallel.py). As in torch, ``stage.submod`` is the
+    module the stage runs and may be replaced, and the module wrapped or sharded in place,
+    after the stage is built (torchtitan: ``fully_shard``, then ``stage.submod = m``): a
+    schedule reads the data parallelism of each stage's module when it first runs it (its
+    first step, and its first eval), and a step after that whose stage module gained or lost
+    data parallelism raises ValueError. ``deferred_linear`` patches the Linear layers of the
+    module given here: a replacement must hold those layers (a wrapper of the module does).
     """
 
     def __init__(
@@ -102,6 +111,7 @@ class PipelineStage:
         *,
         dw_builder: Callable[[], Callable[[], None]] | None = None,
         deferred_linear: bool = False,
+        get_mesh: Callable | None = None,
     ):
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
@@ -121,12 +131,36 @@ class PipelineStage:
         self._output_args = output_args
         self._linear = DeferredLinearHook(submodule) if deferred_linear else None
         self.dw_builder = dw_builder
-        self._dp = adapter_for(submodule, deferred_linear)
+        self.get_mesh = get_mesh
+        self._dp = None
+        self._dp_of: tuple | None = None  # (module, its class) the adapter was made for
+        self._bind_data_parallel(None)
         # Shape cache: input structure string -> parsed (per negotiated signature), the one in
         # use, and whether shape inference may run the module on meta tensors.
         self._parsed: dict[str, Any] = {}
         self._in_parsed: Any = None
         self._meta_shapes = True
+
+    def _bind_data_parallel(self, split_backward: bool | None) -> bool:
+        """The data-parallel adapter of ``submod`` as it is now: made anew where the module or
+        its class changed (fully_shard changes the class in place), then checked against a
+        program that splits this stage's backward (split_backward; None: no program yet).
+        Returns whether the stage syncs gradients; raises ValueError as the adapter's check."""
+        module = self.submod
+        if self._dp_of is None or self._dp_of[0] is not module or self._dp_of[1] is not type(module):
+            self._dp = adapter_for(module, self._linear is not None)
+            self._dp_of = (module, type(module))
+        if self._dp is not None and split_backward is not None:
+            self._dp.check(self.stage_index, split_backward)
+        return self._dp is not None
+
+    def scale_grads(self, grad_scale_factor: int) -> None:
+        """torch's: divides the gradients of the stage's parameters by grad_scale_factor. zbpipe's
+        schedules do not call it (scale_grads=True scales each microbatch loss instead)."""
+        if grad_scale_factor != 1:
+            for p in self.submod.parameters():
+                if p.grad is not None:
+                    p.grad.div_(grad_scale_factor)
 
     def __repr__(self) -> str:
         return f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, rank={self.group_rank})"
