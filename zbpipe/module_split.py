@@ -17,22 +17,24 @@ from torch import nn
 
 class SparseModuleList(nn.ModuleList):
     """A ModuleList that holds some entries of the original list under their original indices
-    (``blocks.2`` stays ``blocks.2``). Iteration, ``len`` and positional indexing see only the
-    kept entries, in order, so a forward that loops over the list runs the stage's part of it.
-    Appending is not supported (the next index is ambiguous)."""
+    (``blocks.2`` stays ``blocks.2``). Iteration, ``len`` and positional indexing (``[0]`` is
+    the first kept entry) see only the kept entries, in order, so a forward that loops over the
+    list runs the stage's part of it. Changing the list (append, insert, assignment, deletion)
+    raises TypeError: it would renumber or collide with the original indices."""
 
     def __init__(self, kept: "OrderedDict[str, nn.Module]"):
         super().__init__()
         self._modules.update(kept)
 
-    def append(self, module):  # noqa: D102
-        raise TypeError("SparseModuleList keeps the original indices; it cannot be appended to")
+    def __getitem__(self, idx):
+        if isinstance(idx, slice):
+            return SparseModuleList(OrderedDict(list(self._modules.items())[idx]))
+        return list(self._modules.values())[idx]
 
-    def extend(self, modules):  # noqa: D102
-        raise TypeError("SparseModuleList keeps the original indices; it cannot be extended")
+    def _refuse(self, *args, **kwargs):
+        raise TypeError("SparseModuleList keeps the original indices of a split model: it cannot be changed")
 
-    def insert(self, index, module):  # noqa: D102
-        raise TypeError("SparseModuleList keeps the original indices; it cannot be inserted into")
+    append = extend = insert = __setitem__ = __delitem__ = __iadd__ = _refuse
 
 
 def _prune(module: nn.Module, prefix: str, keep: set[str]) -> nn.Module:
