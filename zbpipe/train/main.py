@@ -3,8 +3,10 @@ against one process.
 
 Spawns `--pp` x `--dp` local ranks (Gloo on 127.0.0.1, or NCCL with --device cuda), splits the
 model of zbpipe.train.model into pipeline stages, trains it on the synthetic Markov
-task with the chosen schedule, and prints step / loss / tokens-per-second from the rank that
-holds the last stage. With `--dp N`, N pipeline replicas each train on 1/N of every batch, their
+task with the chosen schedule, and prints step / loss / tokens-per-second / MFU from the rank
+that holds the last stage, then torchtitan's throughput figures and every rank's saved
+activations against the simulator's prediction (metrics.py). `--checkpoint DIR` saves with DCP
+at the end and `--resume` continues from it at any pipeline size (checkpoint.py). With `--dp N`, N pipeline replicas each train on 1/N of every batch, their
 stages wrapped in DistributedDataParallel over the replicas of the same stage (the printed loss
 is the mean over replicas, the loss of the whole batch). Then it trains the same model (same seed, same batches, same optimizer) in this one
 process and prints both final losses and their difference: pipelining must not change the math,
@@ -181,10 +183,8 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         checkpoint.save(opts["checkpoint"], steps, mine, optims)
     if opts["trace"]:
         sched.export_chrome_trace(f"{opts['trace']}.rank{rank}.json")
-    peak_mbs = zbpipe.simulate(program).peak_activations[rank % pp]
-    per_mb = sum(meter.per_forward.values()) / len(local)
     return {"history": history if logs else None, "step_s": timed_s, "stages": local,
-            "saved_peak": meter.peak, "saved_per_mb": per_mb, "peak_mbs": peak_mbs}
+            "saved_peak": meter.peak, "saved_per_forward": meter.per_forward}
 
 
 def _single_process(opts: dict[str, Any], num_stages: int, device: torch.device) -> list[float]:
@@ -206,7 +206,7 @@ def _single_process(opts: dict[str, Any], num_stages: int, device: torch.device)
     return history
 
 
-def _report(opts: dict[str, Any], cfg: TinyConfig, results: list[dict[str, Any]]) -> None:
+def _report(opts: dict[str, Any], cfg: TinyConfig, program: zbpipe.Program, results: list[dict[str, Any]]) -> None:
     """The throughput line (torchtitan's tokens/s per device, FLOPs per token, MFU) and the
     saved activations of every rank, measured against the simulator's prediction."""
     world = opts["pp"] * opts["dp"]
@@ -219,11 +219,18 @@ def _report(opts: dict[str, Any], cfg: TinyConfig, results: list[dict[str, Any]]
               f"over {len(timed)} steps) | {flops} FLOPs/token (6N + 12LHQT, N={n}) | "
               f"MFU {flops * tps / opts['peak_flops']:.2%} of {opts['peak_flops'] / 1e12:.3f} TFLOP/s "
               f"per device ({opts['peak_source']})", flush=True)
+    # The simulator under the measured memory model: F adds what one forward of the stage saves
+    # (mem_f per stage, from the ranks that hold it), its last backward action frees it.
+    mem_f = [0.0] * program.num_stages
+    for r in results:
+        for s, nbytes in r["saved_per_forward"].items():
+            mem_f[s] = float(nbytes)
+    predicted = zbpipe.simulate(program, mem_f=mem_f).peak_memory
+    print(f"saved activations per (stage, microbatch), measured: {[round(b / 2**10, 1) for b in mem_f]} KiB "
+          "(the simulator's mem_f; mem_w = mem_f)", flush=True)
     for rank, r in enumerate(results):
-        predicted = r["peak_mbs"] * r["saved_per_mb"]
         print(f"saved activations rank {rank} (stages {r['stages']}): peak {r['saved_peak'] / 2**10:.1f} KiB "
-              f"measured | {predicted / 2**10:.1f} KiB predicted (simulator peak {r['peak_mbs']} microbatches "
-              f"x {r['saved_per_mb'] / 2**10:.1f} KiB per microbatch)", flush=True)
+              f"measured | {predicted[rank % opts['pp']] / 2**10:.1f} KiB predicted", flush=True)
 
 
 def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> zbpipe.Program:
@@ -295,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipelined run failed: {e}", file=sys.stderr)
         return 1
     pipe_s = time.perf_counter() - t0
-    _report(opts, cfg, results)
+    _report(opts, cfg, program, results)
     piped = next(r["history"] for r in results if r["history"] is not None)
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # like each rank, so the reference does the same float math
