@@ -2,15 +2,16 @@
 against one process.
 
 Spawns `--pp` x `--dp` local ranks (Gloo on 127.0.0.1, or NCCL with --device cuda), splits the
-model of zbpipe.train.model into pipeline stages, trains it on the synthetic Markov
-task with the chosen schedule, and prints step / loss / tokens-per-second / MFU from the rank
-that holds the last stage, then torchtitan's throughput figures and every rank's saved
-activations against the simulator's prediction (metrics.py). `--checkpoint DIR` saves with DCP
-at the end and `--resume` continues from it at any pipeline size (checkpoint.py). With `--dp N`, N pipeline replicas each train on 1/N of every batch, their
-stages wrapped in DistributedDataParallel over the replicas of the same stage (the printed loss
-is the mean over replicas, the loss of the whole batch). Then it trains the same model (same seed, same batches, same optimizer) in this one
-process and prints both final losses and their difference: pipelining must not change the math,
-so they agree to float-reassociation tolerance (exit status 1 if they do not).
+model of zbpipe.train.model into pipeline stages, trains it on the synthetic Markov task with
+the chosen schedule, and prints step / loss / tokens-per-second / MFU from the rank that holds
+the last stage, then torchtitan's throughput figures and every rank's saved activations against
+the simulator's prediction (metrics.py). `--checkpoint DIR` saves with DCP at the end and
+`--resume` continues from it at any pipeline size (checkpoint.py). With `--dp N`, N pipeline
+replicas each train on 1/N of every batch, their stages wrapped in DistributedDataParallel over
+the replicas of the same stage (the printed loss is the mean over replicas, the loss of the
+whole batch). Then it trains the same model (same seed, same batches, same optimizer) in this
+one process and prints both final losses and their difference: pipelining must not change the
+math, so they agree to float-reassociation tolerance (exit status 1 if they do not).
 """
 
 from __future__ import annotations
