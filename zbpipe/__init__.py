@@ -7,6 +7,8 @@ runs them over a torch.distributed process group; this package keeps thin Python
 import torch  # noqa: F401  (must load before _C: _C links against torch's libraries)
 
 from ._C import Action, Kind, PipelineError, Program, ScheduleError, SimResult, SpanBound  # noqa: E402
+from .clipping import clip_grad_norm_  # noqa: E402
+from .module_split import split_by_fqn  # noqa: E402
 from .programs import (  # noqa: E402
     compile,
     lower_bound,
@@ -67,6 +69,7 @@ __all__ = [
     "SpanBound",
     "SplitPoint",
     "build_stage",
+    "clip_grad_norm_",
     "compile",
     "get_schedule_class",
     "lower_bound",
@@ -76,6 +79,7 @@ __all__ = [
     "schedule_names",
     "schedule_options",
     "simulate",
+    "split_by_fqn",
 ]
 __version__ = "0.1.0"
 

@@ -2,13 +2,16 @@
 against one process.
 
 Spawns `--pp` x `--dp` local ranks (Gloo on 127.0.0.1, or NCCL with --device cuda), splits the
-model of zbpipe.train.model into pipeline stages, trains it on the synthetic Markov
-task with the chosen schedule, and prints step / loss / tokens-per-second from the rank that
-holds the last stage. With `--dp N`, N pipeline replicas each train on 1/N of every batch, their
-stages wrapped in DistributedDataParallel over the replicas of the same stage (the printed loss
-is the mean over replicas, the loss of the whole batch). Then it trains the same model (same seed, same batches, same optimizer) in this one
-process and prints both final losses and their difference: pipelining must not change the math,
-so they agree to float-reassociation tolerance (exit status 1 if they do not).
+model of zbpipe.train.model into pipeline stages, trains it on the synthetic Markov task with
+the chosen schedule, and prints step / loss / tokens-per-second / MFU from the rank that holds
+the last stage, then torchtitan's throughput figures and every rank's saved activations against
+the simulator's prediction (metrics.py). `--checkpoint DIR` saves with DCP at the end and
+`--resume` continues from it at any pipeline size (checkpoint.py). With `--dp N`, N pipeline
+replicas each train on 1/N of every batch, their stages wrapped in DistributedDataParallel over
+the replicas of the same stage (the printed loss is the mean over replicas, the loss of the
+whole batch). Then it trains the same model (same seed, same batches, same optimizer) in this
+one process and prints both final losses and their difference: pipelining must not change the
+math, so they agree to float-reassociation tolerance (exit status 1 if they do not).
 """
 
 from __future__ import annotations
@@ -28,8 +31,10 @@ import zbpipe
 
 from .data import MarkovTask
 from .launcher import rank_device, run_local
-from .model import TinyConfig, build_stages, lm_loss, stage_io_examples
-from .pipeline import LIBRARIES, build_pipeline, schedule_class, topology, training_schedules
+from . import checkpoint
+from .metrics import SavedActivationMeter, flops_per_token, peak_flops
+from .model import TinyConfig, build_model, build_stages, lm_loss, stage_io_examples
+from .pipeline import LIBRARIES, build_pipeline, local_stages, schedule_class, topology, training_schedules
 
 
 class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
@@ -70,6 +75,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=600.0, help="whole-run limit in seconds")
     p.add_argument("--trace", metavar="PREFIX", default=None,
                    help="--lib zbpipe: write each rank's last-step Chrome trace to PREFIX.rank<r>.json")
+    p.add_argument("--max-norm", type=float, default=None,
+                   help="clip gradients by the whole model's norm (zbpipe.clip_grad_norm_; default: off)")
+    p.add_argument("--checkpoint", metavar="DIR", default=None,
+                   help="save model, optimizer and data position to DIR/step-<steps> at the end (DCP)")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the newest checkpoint in --checkpoint DIR, at any --pp/--dp/--schedule, "
+                   "up to --steps in all")
     return p
 
 
@@ -95,10 +107,18 @@ def _topology(opts: dict[str, Any]) -> zbpipe.Program:
     return topology(opts["schedule"], opts["pp"], opts["microbatches"], opts["stages_per_rank"])
 
 
-def _worker(rank: int, world: int, opts: dict[str, Any]) -> list[float] | None:
-    """One pipeline rank: builds every stage from the seed (identical init everywhere), keeps
-    its own, and trains them on its replica's share of each batch; the rank holding the last
-    stage of replica 0 logs and returns the losses (averaged over the replicas)."""
+def _stage_optimizers(opts: dict[str, Any], modules: list[nn.Module]) -> list[torch.optim.Optimizer]:
+    """One optimizer per stage module (as torchtitan has one per model part): each maps its
+    state to the parameter names of its own module, which is what a checkpoint keeps."""
+    return [_optimizer(opts, list(m.parameters())) for m in modules]
+
+
+def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    """One pipeline rank: builds the whole model from the seed (identical init everywhere),
+    keeps its own stages, resumes them from a checkpoint if asked, and trains them on its
+    replica's share of each batch; the rank holding the last stage of replica 0 logs. Every
+    rank returns its report (losses and step time on the logging rank, saved-activation bytes
+    everywhere)."""
     pp, dp = opts["pp"], opts["dp"]
     device = rank_device()
     replica = rank // pp
@@ -108,53 +128,71 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> list[float] | None:
     cfg = _config(opts, num_stages)
     task = MarkovTask(cfg.vocab, cfg.seq_len, opts["seed"])
     modules = build_stages(cfg, num_stages, opts["seed"])
+    local = local_stages(program, rank % pp)
+    mine = [modules[s].to(device) for s in local]
+    optims = _stage_optimizers(opts, mine)
+    start = checkpoint.load(opts["resume_from"], mine, optims) if opts["resume_from"] else 0
+    meter = SavedActivationMeter({s: modules[s] for s in local})
     share = opts["batch_size"] // dp
     mb = share // opts["microbatches"]
     wrap = (lambda m: DistributedDataParallel(m, process_group=dp_group)) if dp > 1 else None
-    sched, local = build_pipeline(
+    sched, _ = build_pipeline(
         opts["lib"], program, modules, rank % pp, device, lm_loss,
         group=group, io_examples=lambda s: stage_io_examples(cfg, s, num_stages, mb, device), wrap=wrap,
     )
-    optim = _optimizer(opts, [p for s in local for p in modules[s].parameters()])
     first, last = 0 in local, num_stages - 1 in local
+    logs = last and replica == 0
     steps, every = opts["steps"], opts["log_every"]
     tokens = opts["batch_size"] * cfg.seq_len
+    per_device = tokens / world  # torchtitan's tokens/s per device: the world shares each batch
+    flops = flops_per_token(build_model(cfg, opts["seed"]), cfg)[1] if logs else 0
     history: list[float] = []
-    window_t, window_steps = time.perf_counter(), 0
-    for step in range(steps):
+    window_t, window_steps, timed_s = time.perf_counter(), 0, []
+    for step in range(start, steps):
+        t_step = time.perf_counter()
         x, y = (t[replica * share:(replica + 1) * share].to(device) for t in task.batch(step, opts["batch_size"]))
-        optim.zero_grad(set_to_none=True)
+        for optim in optims:
+            optim.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
         sched.step(*((x,) if first else ()), target=y if last else None, losses=losses if last else None)
-        optim.step()
+        if opts["max_norm"]:
+            zbpipe.clip_grad_norm_(mine, opts["max_norm"], group=group)
+        for optim in optims:
+            optim.step()
         if not last:
             continue
         loss = torch.stack([l.detach().float() for l in losses]).mean()
         if dp > 1:  # the whole batch's loss: the mean of the replicas' (equal shares)
             dist.all_reduce(loss, group=dp_group)
             loss /= dp
-        if replica != 0:
+        if not logs:
             continue
         history.append(float(loss))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if step > start:  # the first step sets up (shapes, buffers): not timed
+            timed_s.append(time.perf_counter() - t_step)
         window_steps += 1
-        if (step + 1) % every == 0 or step + 1 == steps or step == 0:
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
+        if (step + 1) % every == 0 or step + 1 == steps or step == start:
             now = time.perf_counter()
             dt = (now - window_t) / window_steps
-            print(f"step {step + 1:>5}/{steps} | loss {history[-1]:.4f} | "
-                  f"{tokens / dt:>9.0f} tok/s | {dt * 1e3:7.2f} ms/step", flush=True)
+            print(f"step {step + 1:>5}/{steps} | loss {history[-1]:.4f} | {tokens / dt:>9.0f} tok/s | "
+                  f"{per_device / dt:>8.0f} tok/s/dev | MFU {flops * per_device / dt / opts['peak_flops']:6.2%} | "
+                  f"{dt * 1e3:7.2f} ms/step", flush=True)
             window_t, window_steps = now, 0
+    if opts["checkpoint"]:
+        checkpoint.save(opts["checkpoint"], steps, mine, optims)
     if opts["trace"]:
         sched.export_chrome_trace(f"{opts['trace']}.rank{rank}.json")
-    return history if last and replica == 0 else None
+    return {"history": history if logs else None, "step_s": timed_s, "stages": local,
+            "saved_peak": meter.peak, "saved_per_forward": meter.per_forward}
 
 
 def _single_process(opts: dict[str, Any], num_stages: int, device: torch.device) -> list[float]:
-    """The same model, data and optimizer in one process, whole batch at once."""
+    """The same model, data and optimizer in one process, whole batch at once, from step 0."""
     cfg = _config(opts, num_stages)
     task = MarkovTask(cfg.vocab, cfg.seq_len, opts["seed"])
-    model = nn.Sequential(*build_stages(cfg, num_stages, opts["seed"])).to(device)
+    model = build_model(cfg, opts["seed"]).to(device)
     optim = _optimizer(opts, list(model.parameters()))
     history = []
     for step in range(opts["steps"]):
@@ -162,9 +200,38 @@ def _single_process(opts: dict[str, Any], num_stages: int, device: torch.device)
         optim.zero_grad(set_to_none=True)
         loss = lm_loss(model(x), y)
         loss.backward()
+        if opts["max_norm"]:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), opts["max_norm"])
         optim.step()
         history.append(float(loss.detach()))
     return history
+
+
+def _report(opts: dict[str, Any], cfg: TinyConfig, program: zbpipe.Program, results: list[dict[str, Any]]) -> None:
+    """The throughput line (torchtitan's tokens/s per device, FLOPs per token, MFU) and the
+    saved activations of every rank, measured against the simulator's prediction."""
+    world = opts["pp"] * opts["dp"]
+    n, flops = flops_per_token(build_model(cfg, opts["seed"]), cfg)
+    timed = next(r for r in results if r["history"] is not None)["step_s"]
+    if timed:
+        step_s = sum(timed) / len(timed)
+        tps = opts["batch_size"] * cfg.seq_len / step_s / world
+        print(f"throughput: {tps:.0f} tokens/s per device ({world} devices, {step_s * 1e3:.2f} ms/step "
+              f"over {len(timed)} steps) | {flops} FLOPs/token (6N + 12LHQT, N={n}) | "
+              f"MFU {flops * tps / opts['peak_flops']:.2%} of {opts['peak_flops'] / 1e12:.3f} TFLOP/s "
+              f"per device ({opts['peak_source']})", flush=True)
+    # The simulator under the measured memory model: F adds what one forward of the stage saves
+    # (mem_f per stage, from the ranks that hold it), its last backward action frees it.
+    mem_f = [0.0] * program.num_stages
+    for r in results:
+        for s, nbytes in r["saved_per_forward"].items():
+            mem_f[s] = float(nbytes)
+    predicted = zbpipe.simulate(program, mem_f=mem_f).peak_memory
+    print(f"saved activations per (stage, microbatch), measured: {[round(b / 2**10, 1) for b in mem_f]} KiB "
+          "(the simulator's mem_f; mem_w = mem_f)", flush=True)
+    for rank, r in enumerate(results):
+        print(f"saved activations rank {rank} (stages {r['stages']}): peak {r['saved_peak'] / 2**10:.1f} KiB "
+              f"measured | {predicted[rank % opts['pp']] / 2**10:.1f} KiB predicted", flush=True)
 
 
 def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> zbpipe.Program:
@@ -190,6 +257,21 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> zbpipe.Pro
                 f"found {torch.cuda.device_count()}")
     if a.layers is not None and a.layers < program.num_stages:
         p.error(f"--layers ({a.layers}) must be >= the number of stages ({program.num_stages})")
+    if a.max_norm is not None and not a.max_norm > 0:
+        p.error(f"--max-norm ({a.max_norm}) must be > 0")
+    a.resume_from = None
+    if a.resume:
+        found = checkpoint.latest(a.checkpoint) if a.checkpoint else None
+        if found is None:
+            p.error(f"--resume needs a step-N checkpoint in --checkpoint DIR ({a.checkpoint!r} has none)")
+        a.resume_from, done = found
+        if done >= a.steps:
+            p.error(f"--resume: {a.resume_from} has done {done} steps, --steps is {a.steps}")
+        saved = checkpoint.saved_parameters(a.resume_from)
+        names = {n for n, _ in build_model(_config(vars(a), program.num_stages), a.seed).named_parameters()}
+        if saved != names:
+            p.error(f"--resume: {a.resume_from} holds another model ({len(saved)} parameters, this one "
+                    f"{len(names)}; first difference {sorted(saved ^ names)[0]!r}): pass the same --layers")
     return program
 
 
@@ -208,6 +290,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {cfg.n_layers} blocks d={cfg.d_model} heads={cfg.n_heads} vocab={cfg.vocab} "
           f"seq={cfg.seq_len}; task: 2nd-order Markov chain, loss floor ~{task.entropy_floor():.3f} "
           f"nats (uniform {math.log(cfg.vocab):.3f}); optimizer {a.optimizer} lr={a.lr}", flush=True)
+    opts["peak_flops"], opts["peak_source"] = peak_flops(a.device)
+    if a.resume_from:
+        print(f"resuming from {a.resume_from}", flush=True)
     t0 = time.perf_counter()
     try:
         results = run_local(_worker, a.pp * a.dp, (opts,), device=a.device, timeout_s=a.timeout)
@@ -218,10 +303,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"pipelined run failed: {e}", file=sys.stderr)
         return 1
     pipe_s = time.perf_counter() - t0
-    piped = next(r for r in results if r is not None)
+    _report(opts, cfg, program, results)
+    piped = next(r["history"] for r in results if r["history"] is not None)
     t0 = time.perf_counter()
     torch.set_num_threads(1)  # like each rank, so the reference does the same float math
     ref = _single_process(opts, num_stages, torch.device("cuda" if a.device == "cuda" else "cpu"))
+    ref = ref[len(ref) - len(piped):]  # a resumed run: its steps, against the run from step 0
     ref_s = time.perf_counter() - t0
     diffs = [abs(x - y) for x, y in zip(piped, ref)]
     diff, worst = diffs[-1], max(diffs)

@@ -1,9 +1,10 @@
-"""A tiny pre-norm decoder-only transformer built directly as a list of pipeline stages.
+"""A tiny pre-norm decoder-only transformer and its split into pipeline stages.
 
 Stage 0 owns the token/position embeddings, the last stage owns the final norm and LM head, and
-the blocks are spread as evenly as possible (earlier stages get the extra ones). Building the
-whole list from one seed in every process gives every rank bit-identical initial weights, and
-`nn.Sequential(*build_stages(...))` is the single-process reference model.
+the blocks are spread as evenly as possible (earlier stages get the extra ones). Every process
+builds the whole model from one seed (bit-identical initial weights everywhere) and keeps its
+stages with zbpipe.split_by_fqn, so parameter names do not depend on the pipeline size; the
+whole model is the single-process reference.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from zbpipe.module_split import split_by_fqn
 
 
 @dataclass(frozen=True)
@@ -66,24 +69,30 @@ class Block(nn.Module):
         return x + self.mlp(self.ln2(x))
 
 
-class Stage(nn.Module):
-    """One pipeline stage: optional embedding, some blocks, optional head.
+class TinyTransformer(nn.Module):
+    """The whole model: token and position embeddings, blocks, final norm and LM head.
 
-    Input is int64 tokens [b, t] on the first stage and float hidden states [b, t, d] elsewhere;
-    output is logits [b, t, vocab] on the last stage and hidden states elsewhere.
+    A pipeline stage is a copy of it with the other stages' parts removed (split_by_fqn), so a
+    parameter has the same name (``blocks.3.attn.qkv.weight``) at every pipeline size. The
+    forward skips what the stage lacks: without the embeddings its input is the previous
+    stage's hidden states [b, t, d] (else int64 tokens [b, t]); without the head its output is
+    hidden states (else logits [b, t, vocab]).
     """
 
-    def __init__(self, cfg: TinyConfig, n_blocks: int, first: bool, last: bool):
+    def __init__(self, cfg: TinyConfig):
         super().__init__()
-        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model) if first else None
-        self.pos_emb = nn.Parameter(torch.randn(cfg.seq_len, cfg.d_model) * 0.02) if first else None
-        self.blocks = nn.ModuleList(Block(cfg) for _ in range(n_blocks))
-        self.ln_f = nn.LayerNorm(cfg.d_model) if last else None
-        self.head = nn.Linear(cfg.d_model, cfg.vocab) if last else None
+        self.cfg = cfg
+        self.tok_emb = nn.Embedding(cfg.vocab, cfg.d_model)
+        self.pos_emb = nn.Embedding(cfg.seq_len, cfg.d_model)
+        with torch.no_grad():
+            self.pos_emb.weight.mul_(0.02)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.ln_f = nn.LayerNorm(cfg.d_model)
+        self.head = nn.Linear(cfg.d_model, cfg.vocab)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
-            x = self.tok_emb(x) + self.pos_emb[: x.shape[1]]
+            x = self.tok_emb(x) + self.pos_emb.weight[: x.shape[1]]
         for block in self.blocks:
             x = block(x)
         if self.head is not None:
@@ -102,11 +111,27 @@ def blocks_per_stage(n_layers: int, num_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
-def build_stages(cfg: TinyConfig, num_stages: int, seed: int) -> list[Stage]:
-    """All `num_stages` stages, initialised from `seed` in stage order (same on every rank)."""
+def stage_module_names(cfg: TinyConfig, num_stages: int) -> list[list[str]]:
+    """What each stage keeps of TinyTransformer: the embeddings go to the first, the final norm
+    and head to the last, the blocks are spread as blocks_per_stage says."""
+    names, first = [], 0
+    for s, n in enumerate(blocks_per_stage(cfg.n_layers, num_stages)):
+        names.append([f"blocks.{i}" for i in range(first, first + n)])
+        first += n
+    names[0][:0] = ["tok_emb", "pos_emb"]
+    names[-1] += ["ln_f", "head"]
+    return names
+
+
+def build_model(cfg: TinyConfig, seed: int) -> TinyTransformer:
+    """The whole model, initialised from `seed` (same on every rank)."""
     torch.manual_seed(seed)
-    counts = blocks_per_stage(cfg.n_layers, num_stages)
-    return [Stage(cfg, n, s == 0, s == num_stages - 1) for s, n in enumerate(counts)]
+    return TinyTransformer(cfg)
+
+
+def build_stages(cfg: TinyConfig, num_stages: int, seed: int) -> list[nn.Module]:
+    """All `num_stages` stage modules of the model built from `seed`, with its parameter names."""
+    return split_by_fqn(build_model(cfg, seed), stage_module_names(cfg, num_stages))
 
 
 def stage_io_examples(
