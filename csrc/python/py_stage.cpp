@@ -32,12 +32,17 @@ runtime::Signature signature_from_py(const py::handle& obj) {
   return runtime::Signature{specs_from_py(pair[0]), pair[1].cast<std::string>()};
 }
 
-std::string format_python_error(py::error_already_set& e) {
+runtime::StageError stage_error(py::error_already_set& e) {
   try {
-    auto lines = py::module_::import("traceback").attr("format_exception")(e.type(), e.value(), e.trace());
-    return py::str("").attr("join")(lines).cast<std::string>();
+    auto tb = py::module_::import("traceback");
+    std::string summary = py::str("").attr("join")(tb.attr("format_exception_only")(e.type(), e.value()))
+                              .cast<std::string>();
+    while (!summary.empty() && summary.back() == '\n') summary.pop_back();
+    std::string trace = py::str("").attr("join")(tb.attr("format_exception")(e.type(), e.value(), e.trace()))
+                            .cast<std::string>();
+    return runtime::StageError(std::move(summary), std::move(trace));
   } catch (...) {
-    return e.what();
+    return runtime::StageError(e.what(), "");
   }
 }
 

@@ -80,6 +80,8 @@ def _scenario(rank, pp, scenario):
         return _attempt(rank, _plain(rank, shrink_at=3))
     if scenario == "stage_exception":
         return _attempt(rank, _plain(rank, fail_at=2))
+    if scenario == "broken_module":  # fails in the shape pass: meta run, then the real one
+        return _attempt(rank, _plain(rank, broken=True))
     if scenario == "placement":
         return _placement(rank)
     if scenario == "plain":
@@ -93,6 +95,8 @@ def _check_failure(res, rank, *needles):
     assert kind in ("PipelineError", "ValueError"), (rank, kind, msg)
     for n in needles:
         assert n in msg, f"rank {rank}: {n!r} not in:\n{msg}"
+    for internal in ("(index ", "(start of step)", "(end of step)", "index -"):  # no sentinel leaks
+        assert internal not in msg, f"rank {rank}: {internal!r} in:\n{msg}"
     assert seconds < 10 * WAIT_S + 10, f"rank {rank} took {seconds:.1f}s"  # bounded, not a hang
 
 
@@ -108,9 +112,10 @@ def test_indivisible_batch_is_told_to_every_rank(spawn_world):
             assert r[0] == "ValueError"
             _check_failure(r, rank, "not divisible by n_microbatches=4")
         else:
-            _check_failure(r, rank, "rank 1 failed at action", "(before the step)",
-                           "not divisible by n_microbatches=4")
-            assert "rank 0 failed at action" in r[1] or "rank 2 failed at action" in r[1]
+            _check_failure(r, rank, "not divisible by n_microbatches=4")
+            first = r[1].splitlines()[0]
+            assert first.startswith(("aborted because rank 0 failed before step 1: ValueError: ",
+                                     "aborted because rank 2 failed before step 1: ValueError: ")), first
             assert "timeout" not in r[1] and " within " not in r[1]  # told, not timed out
 
 
@@ -118,24 +123,52 @@ def test_declared_shape_mismatch_is_told_by_the_handshake(spawn_world):
     for rank, r in enumerate(_run(spawn_world, "declared_shape")):
         _check_failure(r, rank, "stage 1", "input_args", "float32[2, 5]", "float32[2, 8]")
         assert r[0] == "PipelineError"
+        # Every rank names the stage that rejected its inputs, not itself.
+        culprit = "rank 1 failed in stage 1 at the start of step 1 (inferring its output shapes): ValueError: "
+        assert r[1].startswith(culprit if rank == 1 else "aborted because " + culprit), r[1]
 
 
 def test_output_shape_changing_mid_step_is_named_by_its_sender(spawn_world):
     for rank, r in enumerate(_run(spawn_world, "runtime_shape")):
+        culprit = "rank 1 failed in stage 1 at action 1F2 (microbatch 2): stage 1 microbatch 2 produced"
         if rank == 1:
-            _check_failure(r, rank, "rank 1 failed at action 1F2",
-                           "(float32[2, 4]) but the pipeline agreed on (float32[2, 8])", ">>1F2<<")
+            _check_failure(r, rank, "(float32[2, 4]) but the pipeline agreed on (float32[2, 8])", ">>1F2<<")
+            assert r[1].startswith(culprit), r[1]
         else:
-            _check_failure(r, rank, f"rank {rank} failed at action")
+            _check_failure(r, rank)
+            assert r[1].startswith("aborted because " + culprit), r[1]
 
 
-def test_stage_exception_carries_its_traceback_and_action(spawn_world):
+def test_stage_exception_names_the_culprit_first_on_every_rank(spawn_world):
+    culprit = "rank 1 failed in stage 1 at action 1F1 (microbatch 1): ValueError: boom from inside the stage"
     for rank, r in enumerate(_run(spawn_world, "stage_exception")):
-        if rank == 1:
-            _check_failure(r, rank, "rank 1 failed at action 1F1", "boom from inside the stage",
-                           "Traceback", ">>1F1<<")
+        first = r[1].splitlines()[0]
+        if rank == 1:  # the user's traceback, once, on the failing rank only
+            _check_failure(r, rank, "Traceback", ">>1F1<<")
+            assert first == culprit, r[1]
+            assert r[1].count("Traceback (most recent call last)") == 1, r[1]
         else:
-            _check_failure(r, rank, f"rank {rank} failed at action")
+            _check_failure(r, rank, f"on rank {rank}, in stage {rank} at action")
+            assert first == "aborted because " + culprit, r[1]
+            assert "Traceback" not in r[1], r[1]
+
+
+def test_a_user_error_in_the_shape_pass_is_reported_once(spawn_world):
+    """The module raises in the meta-tensor shape pass and again in the real one that follows:
+    one error, one traceback, no chained duplicate, on the failing rank; none on its peers."""
+    culprit = ("rank 1 failed in stage 1 at the start of step 1 (inferring its output shapes): "
+               "RuntimeError: this module is broken")
+    for rank, r in enumerate(_run(spawn_world, "broken_module")):
+        _check_failure(r, rank)
+        first = r[1].splitlines()[0]
+        assert "During handling" not in r[1] and "direct cause" not in r[1], r[1]
+        if rank == 1:
+            assert first == culprit, r[1]
+            assert r[1].count("Traceback (most recent call last)") == 1, r[1]
+            assert r[1].count("RuntimeError: this module is broken") == 2, r[1]  # first line, traceback's end
+        else:
+            assert first == "aborted because " + culprit, r[1]
+            assert "Traceback" not in r[1] and r[1].count("this module is broken") == 1, r[1]
 
 
 def test_a_new_group_and_schedule_work_after_failures(spawn_world):
@@ -151,9 +184,10 @@ def test_wrong_stage_placement_is_refused_before_any_message(spawn_world):
                            f"places stages [{rank}, {2 * PP - 1 - rank}] on rank {rank}",
                            f"given stages [{rank}, {rank + PP}]")
         else:
-            _check_failure(r, rank, "rank 1 failed at action", "(building the executor)",
-                           "places stages [", "but this rank was given stages [")
-            assert r[1].count("rank 0 failed") + r[1].count("rank 2 failed") == 1
+            _check_failure(r, rank, "places stages [", "but this rank was given stages [")
+            first = r[1].splitlines()[0]
+            assert first.startswith(("aborted because rank 0 failed while building its executor: ScheduleError: ",
+                                     "aborted because rank 2 failed while building its executor: ScheduleError: ")), r[1]
 
 
 def test_dead_peer_fails_survivors_in_bounded_time(spawn_world):
@@ -161,4 +195,5 @@ def test_dead_peer_fails_survivors_in_bounded_time(spawn_world):
         spawn_world(PP).run(_scenario, "dies", timeout_s=120, settle_s=60)
     assert sorted(info.value.results) == [0, 2]  # the survivors returned, each with its error
     for rank, r in info.value.results.items():
-        _check_failure(r, rank, f"zbpipe: rank {rank} failed at action", "rank 1")
+        _check_failure(r, rank, "from rank 1")
+        assert r[1].startswith((f"rank {rank} failed in stage {rank} at action", "aborted because rank ")), r[1]
