@@ -84,6 +84,10 @@ def _scenario(rank, pp, scenario):
         return _attempt(rank, _plain(rank, broken=True))
     if scenario == "placement":
         return _placement(rank)
+    if scenario == "meta":  # rank 1's stage lives on the meta device: no backend serves it
+        return _attempt(rank, lambda g: zbpipe.PipelineStage(
+            FaultyLinear().to("meta") if rank == 1 else FaultyLinear(), rank, PP, "meta" if rank == 1 else "cpu",
+            group=g))
     if scenario == "plain":
         return _attempt(rank, _plain(rank))
     assert scenario == "dies"  # rank 1 dies in its second forward: after the handshake, mid-step
@@ -98,6 +102,63 @@ def _check_failure(res, rank, *needles):
     for internal in ("(index ", "(start of step)", "(end of step)", "index -"):  # no sentinel leaks
         assert internal not in msg, f"rank {rank}: {internal!r} in:\n{msg}"
     assert seconds < 10 * WAIT_S + 10, f"rank {rank} took {seconds:.1f}s"  # bounded, not a hang
+
+
+def _recovery(rank, pp):
+    """The recipe of docs/runtime.md#failures: step 1 trains, step 2 fails on rank 1 (its
+    forward of microbatch 1), the old schedule refuses another step; then zero the gradients,
+    build a new group and schedule over the same stage modules, run step 2 again and step 3.
+    Step 3's gradients must equal one process training the whole model on the same batches
+    (an AssertionError names the parameter). Returns (the failed step's error, the refusal)."""
+    import copy
+
+    import torch.distributed as dist
+    from helpers.asserts import assert_grads_close
+
+    import zbpipe
+
+    torch.manual_seed(0)
+    mods = [FaultyLinear() for _ in range(PP)]
+    ref = copy.deepcopy(mods)
+    mods[1].fail_at = 6 if rank == 1 else None  # step 2 (4 microbatches per step), microbatch 1
+    batches = [(torch.randn(8, 8), torch.randn(8, 8)) for _ in range(3)]
+    ref_opt = torch.optim.SGD([p for m in ref for p in m.parameters()], lr=0.1)
+    for k, (x, y) in enumerate(batches):  # the reference: the whole model in one process
+        ref_opt.zero_grad()
+        F.mse_loss(ref[2](ref[1](ref[0](x))), y).backward()
+        if k < 2:
+            ref_opt.step()
+    opt = torch.optim.SGD(mods[rank].parameters(), lr=0.1)
+
+    def schedule():
+        group = dist.new_group(list(range(PP)), backend="gloo")
+        stage = zbpipe.PipelineStage(mods[rank], rank, PP, "cpu", group=group)
+        return zbpipe.Schedule1F1B(stage, 4, loss_fn=F.mse_loss, timeout=60)
+
+    def step(sched, k):
+        x, y = batches[k]
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == PP - 1 else None)
+
+    sched = schedule()
+    step(sched, 0)
+    opt.step()
+    opt.zero_grad()
+    errors = []
+    for _ in range(2):  # the failing step, then the refusal
+        try:
+            step(sched, 1)
+        except zbpipe.PipelineError as e:
+            errors.append(str(e))
+    # The recipe: drop what the failed step accumulated, new group, new schedule, same modules.
+    mods[rank].fail_at = None  # the fault was transient
+    opt.zero_grad()
+    sched = schedule()
+    step(sched, 1)
+    opt.step()
+    opt.zero_grad()
+    step(sched, 2)
+    assert_grads_close([mods[rank]], [ref[rank]], msg=f"rank {rank} after recovery")
+    return errors
 
 
 def _run(spawn_world, scenario):
@@ -190,6 +251,19 @@ def test_wrong_stage_placement_is_refused_before_any_message(spawn_world):
                                      "aborted because rank 2 failed while building its executor: ScheduleError: ")), r[1]
 
 
+def test_a_setup_failure_on_any_device_is_told_to_the_peers(spawn_world):
+    """Publishing touches only the group's store, so a device no backend serves (meta) does
+    not keep the peers waiting for their timeout."""
+    for rank, r in enumerate(_run(spawn_world, "meta")):
+        _check_failure(r if rank != 1 else ("PipelineError",) + r[1:], rank)
+        first = r[1].splitlines()[0]
+        if rank == 1:  # the device's own error, raised where it happened
+            assert r[0] == "RuntimeError" and first.startswith("No backend type associated with device type meta"), r[1]
+        else:
+            assert first.startswith("aborted because rank 1 failed while building its executor: "), r[1]
+            assert "meta" in first and "timeout" not in r[1] and " within " not in r[1], r[1]
+
+
 def test_dead_peer_fails_survivors_in_bounded_time(spawn_world):
     with pytest.raises(RankFailure, match="rank 1 failed first: exited with code 3") as info:
         spawn_world(PP).run(_scenario, "dies", timeout_s=120, settle_s=60)
@@ -197,3 +271,11 @@ def test_dead_peer_fails_survivors_in_bounded_time(spawn_world):
     for rank, r in info.value.results.items():
         _check_failure(r, rank, "from rank 1")
         assert r[1].startswith((f"rank {rank} failed in stage {rank} at action", "aborted because rank ")), r[1]
+
+
+def test_training_continues_exactly_on_a_new_group_and_schedule(spawn_world):
+    for rank, errors in enumerate(spawn_world(PP).run(_recovery, timeout_s=180)):
+        assert len(errors) == 2, errors
+        culprit = "rank 1 failed in stage 1 at action 1F1 (microbatch 1): ValueError: boom from inside the stage"
+        assert errors[0].startswith(culprit if rank == 1 else "aborted because " + culprit), errors[0]
+        assert "Create a new process group and schedule" in errors[1], errors[1]
