@@ -136,9 +136,11 @@ class PipelineSchedule:
             halves itself through ctx.run, one after the other, with its own work between.
 
     A step failing on any rank (a stage error, a wrong shape, a loss error, a timeout, a bad
-    batch) fails every rank of the pipeline with zbpipe.PipelineError naming that rank, its
-    action and its message, within about a tenth of a second of the failure (through the
-    process group's store; a rank busy computing learns it at its next wait). Before the first
+    batch) fails every rank of the pipeline, and of every data-parallel replica of its stages,
+    with zbpipe.PipelineError whose first line names that rank, stage, action and message,
+    within about a tenth of a second of the failure (through the groups' stores; a rank busy
+    computing learns it at its next wait). Ctrl-C during a step raises KeyboardInterrupt on
+    that rank and tells the others (docs/runtime.md#failures). Before the first
     step the ranks compare their programs (schedule, pp, microbatches, stage placement, action
     lists): a mismatch fails every rank at once, naming both sides.
     """
