@@ -40,6 +40,10 @@ runtime::StageError stage_error(py::error_already_set& e) {
     while (!summary.empty() && summary.back() == '\n') summary.pop_back();
     std::string trace = py::str("").attr("join")(tb.attr("format_exception")(e.type(), e.value(), e.trace()))
                             .cast<std::string>();
+    // The traceback ends with the summary, which the report's first line already says: once.
+    while (!trace.empty() && trace.back() == '\n') trace.pop_back();
+    if (trace.size() > summary.size() && trace.compare(trace.size() - summary.size(), summary.size(), summary) == 0)
+      trace.resize(trace.size() - summary.size());
     return runtime::StageError(std::move(summary), std::move(trace));
   } catch (...) {
     return runtime::StageError(e.what(), "");

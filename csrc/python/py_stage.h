@@ -47,7 +47,8 @@ std::vector<runtime::TensorSpec> specs_from_py(const py::handle& obj);
 runtime::Signature signature_from_py(const py::handle& obj);
 
 // A Python exception as a StageError: its summary ("<Type>: <message>", the first line of
-// every rank's report) and its formatted traceback (shown on this rank only).
+// every rank's report) and its formatted traceback without that summary at its end (shown on
+// this rank only), so the user's message appears once.
 runtime::StageError stage_error(py::error_already_set& e);
 // Runs f() (with the GIL held) and turns a Python exception into a StageError (stage_error);
 // KeyboardInterrupt (Ctrl-C reached the stage's code) into zbpipe::Cancelled, so the step
