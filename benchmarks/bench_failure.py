@@ -57,7 +57,7 @@ def _bench(rank: int, world: int, a: dict) -> None:
                 sched.step(*((x,) if rank == 0 else ()), target=y if rank == world - 1 else None)
             except zbpipe.PipelineError as e:
                 seen = time.time()
-                if rank != 0 and "rank 0 failed at action 0F2" not in str(e):
+                if rank != 0 and "rank 0 failed in stage 0 at action 0F2" not in str(e):
                     raise RuntimeError(f"rank {rank}: the error does not name rank 0's failure:\n{e}") from e
                 break
         t = torch.tensor([mod.failed_at or 0.0, seen or 0.0], dtype=torch.float64)

@@ -45,6 +45,10 @@ class _DDP:
         self.shape_module = ddp.module  # shape inference: no buffer broadcast, no reducer
         self._saved_sync: bool | None = None
 
+    def groups(self) -> list:
+        """The process groups the gradient sync runs a collective on."""
+        return [self.ddp.process_group]
+
     def check(self, stage_index: int, split_backward: bool) -> None:
         """Refuses what the reducer cannot do under a pipeline schedule (ValueError)."""
         if self.ddp.static_graph:
@@ -104,6 +108,18 @@ class _FSDP:
 
     def check(self, stage_index: int, split_backward: bool) -> None:
         pass
+
+    def groups(self) -> list:
+        """The process groups the gradient sync runs a collective on: every parameter group's
+        shard group (and replicate group under HSDP), once each."""
+        out = []
+        for m in self._fsdp_modules():
+            for pg in m._get_fsdp_state()._fsdp_param_groups:
+                for name in ("shard_process_group", "replicate_process_group"):
+                    g = getattr(pg.mesh_info, name, None)
+                    if g is not None and all(g is not h for h in out):
+                        out.append(g)
+        return out
 
     def _fsdp_modules(self):
         return [m for m in self.module.modules() if isinstance(m, FSDPModule)]

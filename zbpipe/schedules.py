@@ -17,6 +17,7 @@ import weakref
 from typing import Callable
 
 import torch
+import torch.distributed as dist
 
 from . import _C, microbatch
 from .programs import compile as _compile
@@ -87,6 +88,15 @@ def _rank_stages(stages) -> list[PipelineStage]:
     return ranked
 
 
+def _world_ranks(group) -> tuple[int, list[int]]:
+    """(this rank's global rank, the global rank of each rank of `group`): messages name the
+    world's ranks. (-1, []) for a group torch.distributed does not know (group ranks then)."""
+    try:
+        return dist.get_rank(), dist.get_process_group_ranks(group)
+    except Exception:  # noqa: BLE001 - an unregistered group, or no default group
+        return -1, []
+
+
 def _trains(program: _C.Program) -> bool:
     return any(a.kind != _C.Kind.F for r in range(program.pp) for a in program.action_values(r)
                if a.is_compute)
@@ -136,9 +146,11 @@ class PipelineSchedule:
             halves itself through ctx.run, one after the other, with its own work between.
 
     A step failing on any rank (a stage error, a wrong shape, a loss error, a timeout, a bad
-    batch) fails every rank of the pipeline with zbpipe.PipelineError naming that rank, its
-    action and its message, within about a tenth of a second of the failure (through the
-    process group's store; a rank busy computing learns it at its next wait). Before the first
+    batch) fails every rank of the pipeline, and of every data-parallel replica of its stages,
+    with zbpipe.PipelineError whose first line names that rank, stage, action and message,
+    within about a tenth of a second of the failure (through the groups' stores; a rank busy
+    computing learns it at its next wait). Ctrl-C during a step raises KeyboardInterrupt on
+    that rank and tells the others (docs/runtime.md#failures). Before the first
     step the ranks compare their programs (schedule, pp, microbatches, stage placement, action
     lists): a mismatch fails every rank at once, naming both sides.
     """
@@ -187,6 +199,7 @@ class PipelineSchedule:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
         self._stages = _rank_stages(stages)
         self._group = self._stages[0].group
+        self._world = _world_ranks(self._group)
         self._n = n_microbatches
         self._loss_fn = loss_fn
         self._has_backward = loss_fn is not None and not self.forward_only
@@ -260,16 +273,30 @@ class PipelineSchedule:
             self._eval_program = _C.lower(_C.strip_backward(self._program.compute_only()))
         return self._eval_program
 
+    def _sync_groups(self, train: bool) -> dict:
+        """Stage index -> the data-parallel groups its gradient sync runs on (training only:
+        an eval step syncs nothing). A failure crosses to the other replicas through them."""
+        if not train:
+            return {}
+        return {s.stage_index: s._dp.groups() for s in self._stages if s._dp is not None}
+
     def _get_executor(self, train: bool = True) -> _C.Executor:
         train = train and self._has_backward
         ex = self._executors.get(train)
         if ex is None:
-            program = self._program_for(train)
-            # The executor reads each stage's data parallelism once, here: at the first step.
-            syncs = self._bind_data_parallel()
-            ex = self._executors[train] = _C.Executor(
-                program, self._group, {s.stage_index: s for s in self._stages},
-                self._stages[0].device, **self._executor_options)
+            try:
+                program = self._program_for(train)
+                # The executor reads each stage's data parallelism once, here: at the first step.
+                syncs = self._bind_data_parallel()
+                ex = _C.Executor(
+                    program, self._group, {s.stage_index: s for s in self._stages},
+                    self._stages[0].device, **self._executor_options, global_rank=self._world[0],
+                    group_ranks=self._world[1], sync_groups=self._sync_groups(train))
+            except Exception as e:  # tell the peers, whatever the device: they would wait for this rank
+                groups = [g for gs in self._sync_groups(train).values() for g in gs]
+                _C.Executor.report_setup_failure(self._group, groups, self._world[0], f"{type(e).__name__}: {e}")
+                raise
+            self._executors[train] = ex
             self._executor_syncs[train] = syncs
             self._install_custom(ex)
         return ex
@@ -372,11 +399,7 @@ class PipelineSchedule:
     def _run(self, inputs: tuple, losses, return_outputs, loss_kwargs, train: bool):
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list, got {type(losses).__name__}")
-        try:
-            executor = self._get_executor(train)
-        except Exception as e:
-            _C.Executor.report_setup_failure(self._group, self._stages[0].device, f"{type(e).__name__}: {e}")
-            raise
+        executor = self._get_executor(train)
         with contextlib.ExitStack() as stage_scopes:
             try:  # this rank's own checks: a failure here is told to every peer
                 self._check_data_parallel(train)

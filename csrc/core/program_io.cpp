@@ -3,6 +3,8 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <sstream>
 
@@ -69,12 +71,54 @@ Program program_from_csv_text(const std::string& text, bool rendezvous) {
   return checked(from_csv(text), rendezvous);
 }
 
+namespace {
+
+// The offset of the first byte of `text` that is not UTF-8, or npos.
+size_t first_non_utf8(const std::string& text) {
+  const auto* s = reinterpret_cast<const unsigned char*>(text.data());
+  const size_t n = text.size();
+  for (size_t i = 0; i < n;) {
+    const unsigned char c = s[i];
+    const size_t len = c < 0x80 ? 1 : (c >> 5) == 0x6 ? 2 : (c >> 4) == 0xE ? 3 : (c >> 3) == 0x1E ? 4 : 0;
+    if (len == 0 || i + len > n) return i;
+    for (size_t k = 1; k < len; ++k)
+      if ((s[i + k] >> 6) != 0x2) return i;
+    if ((len == 2 && c < 0xC2) || (len == 3 && c == 0xE0 && s[i + 1] < 0xA0) ||
+        (len == 4 && ((c == 0xF0 && s[i + 1] < 0x90) || c > 0xF4 || (c == 0xF4 && s[i + 1] > 0x8F))))
+      return i;  // overlong forms and code points above U+10FFFF
+    i += len;
+  }
+  return std::string::npos;
+}
+
+}  // namespace
+
 Program read_csv_file(const std::string& path, bool rendezvous) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  const fs::file_status st = fs::status(path, ec);
+  ZB_SCHEDULE_CHECK(!ec && fs::exists(st), "cannot open CSV schedule '", path, "': no such file");
+  ZB_SCHEDULE_CHECK(!fs::is_directory(st), "cannot read CSV schedule '", path, "': it is a directory");
+  ZB_SCHEDULE_CHECK(fs::is_regular_file(st), "cannot read CSV schedule '", path,
+                    "': not a regular file (a FIFO, device or socket; zbpipe reads schedules from "
+                    "regular files only)");
+  const auto size = fs::file_size(path, ec);
+  ZB_SCHEDULE_CHECK(!ec && static_cast<int64_t>(size) <= kMaxCsvBytes, "cannot read CSV schedule '", path,
+                    "': ", ec ? ec.message() : detail::str(size, " bytes is above zbpipe's limit of ",
+                                                           kMaxCsvBytes, " bytes for a CSV schedule"));
   std::ifstream f(path, std::ios::binary);
   ZB_SCHEDULE_CHECK(f.good(), "cannot open CSV schedule '", path, "'");
-  std::stringstream text;
-  text << f.rdbuf();
-  return program_from_csv_text(text.str(), rendezvous);
+  std::string text(static_cast<size_t>(size), '\0');
+  f.read(text.data(), static_cast<std::streamsize>(size));
+  text.resize(static_cast<size_t>(f.gcount()));  // a file that shrank meanwhile
+  if (const size_t bad = first_non_utf8(text); bad != std::string::npos) {
+    const size_t line = 1 + static_cast<size_t>(std::count(text.begin(), text.begin() + bad, '\n'));
+    char hex[8];
+    std::snprintf(hex, sizeof(hex), "0x%02X", static_cast<unsigned char>(text[bad]));
+    throw ScheduleError(detail::str("cannot read CSV schedule '", path, "': byte ", hex, " at byte offset ", bad,
+                                    " (line ", line, ") is not UTF-8"));
+  }
+  return program_from_csv_text(text, rendezvous);
 }
 
 void write_csv_file(const Program& p, const std::string& path) {

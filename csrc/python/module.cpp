@@ -160,7 +160,8 @@ void register_runtime(py::module_& m) {
       .def(py::init(&make_executor), py::arg("program"), py::arg("process_group"), py::arg("stages"),
            py::arg("device"), py::kw_only(), py::arg("timeout_s") = 300.0, py::arg("device_timing") = false,
            py::arg("prepost_receives") = py::none(), py::arg("static_shapes") = false,
-           py::arg("stream_ordered") = py::none(), py::arg("overlap_f_b") = true,
+           py::arg("stream_ordered") = py::none(), py::arg("overlap_f_b") = true, py::arg("global_rank") = -1,
+           py::arg("group_ranks") = std::vector<int>{}, py::arg("sync_groups") = py::dict(),
            "`stages`: global stage index -> PipelineStage; the keywords are ExecutorOptions'.")
       .def("run", &run_step, py::arg("step"), py::arg("first_inputs") = py::none(), py::arg("loss_scale") = 1.0,
            "Runs one step on `step` (handed to every stage call); returns (outputs, losses) of the "
@@ -170,9 +171,10 @@ void register_runtime(py::module_& m) {
            "Actions of `kinds` run through fn(action) from the next step on (see CustomActions).")
       .def("run_part", &runtime::Executor::run_part, py::arg("part"), py::call_guard<py::gil_scoped_release>(),
            "Inside a custom function: runs a part of the current action with the built-in computation.")
-      .def_static("report_setup_failure", &report_setup_failure, py::arg("process_group"), py::arg("device"),
-                  py::arg("what"), py::call_guard<py::gil_scoped_release>(),
-                  "Tells the peers' executor of the same number that this rank's could not be built.")
+      .def_static("report_setup_failure", &report_setup_failure, py::arg("process_group"), py::arg("sync_groups"),
+                  py::arg("global_rank"), py::arg("what"),
+                  "Tells the peers' executor of the same number (on the group and the data-parallel "
+                  "groups) that this rank's could not be built; touches the stores only.")
       .def("report_failure", &runtime::Executor::report_failure, py::arg("what"),
            py::call_guard<py::gil_scoped_release>(),
            "Tells every peer that this rank's step failed before it ran (e.g. a bad batch); the "

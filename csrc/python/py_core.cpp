@@ -161,7 +161,8 @@ Program lower_program(const Program& compute_only) {
 std::map<std::string, int64_t> size_limits() {
   return {{"pp", kMaxPipelineRanks},       {"stages", kMaxStages},
           {"microbatches", kMaxMicrobatches}, {"stages_x_microbatches", kMaxCells},
-          {"actions", kMaxActions},        {"bytes_per_stage_microbatch", kBytesPerCell}};
+          {"actions", kMaxActions},        {"bytes_per_stage_microbatch", kBytesPerCell},
+          {"csv_bytes", kMaxCsvBytes}};
 }
 
 Action parse_action_arg(const pybind11::object& text) {

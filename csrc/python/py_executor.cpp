@@ -5,6 +5,8 @@
 #include <map>
 
 #include "python/py_stage.h"
+#include "python/step_interrupt.h"
+#include "runtime/replica_barrier.h"
 #include "runtime/p2p.h"
 #include "runtime/trace.h"
 
@@ -49,6 +51,13 @@ py::dict trace_record_to_py(const runtime::TraceRecord& r) {
   return d;
 }
 
+std::map<int, std::vector<std::shared_ptr<c10d::ProcessGroup>>> sync_groups_from_py(const py::dict& groups) {
+  std::map<int, std::vector<std::shared_ptr<c10d::ProcessGroup>>> out;
+  for (auto [stage, list] : groups)
+    for (auto g : list) out[stage.cast<int>()].push_back(runtime::share_group(g.cast<c10::intrusive_ptr<c10d::ProcessGroup>>()));
+  return out;
+}
+
 py::tuple signature_to_py(const runtime::Signature& s) {
   return py::make_tuple(specs_to_py(s.specs), s.structure);
 }
@@ -59,7 +68,7 @@ std::unique_ptr<runtime::Executor> make_executor(
     const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
     const py::dict& stages, const at::Device& device, double timeout_s, bool device_timing,
     std::optional<bool> prepost_receives, bool static_shapes, std::optional<bool> stream_ordered,
-    bool overlap_f_b) {
+    bool overlap_f_b, int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups) {
   std::map<int, std::shared_ptr<runtime::StageHandle>> handles;
   for (auto [index, stage] : stages)
     handles[index.cast<int>()] = std::make_shared<PyStage>(py::reinterpret_borrow<py::object>(stage));
@@ -69,6 +78,9 @@ std::unique_ptr<runtime::Executor> make_executor(
   options.prepost_receives = prepost_receives;
   options.static_shapes = static_shapes;
   options.overlap_f_b = overlap_f_b;
+  options.global_rank = global_rank;
+  options.group_ranks = std::move(group_ranks);
+  options.sync_groups = sync_groups_from_py(sync_groups);
   runtime::P2POptions p2p_options;
   p2p_options.stream_ordered = stream_ordered;
   return std::make_unique<runtime::Executor>(
@@ -81,8 +93,14 @@ py::tuple run_step(runtime::Executor& executor, py::object step, py::object firs
   const runtime::Signature inputs = signature_from_py(first_inputs);
   runtime::StepResult result;
   {
-    py::gil_scoped_release nogil;  // stage calls take it back (PyStage)
-    result = executor.run(data, inputs, loss_scale);
+    StepInterrupt sigint([&executor] { executor.interrupt(); });
+    try {
+      py::gil_scoped_release nogil;  // stage calls take it back (PyStage)
+      result = executor.run(data, inputs, loss_scale);
+    } catch (const Cancelled&) {  // Ctrl-C: the handler's exception, else KeyboardInterrupt
+      if (PyErr_CheckSignals() == 0 && !PyErr_Occurred()) PyErr_SetNone(PyExc_KeyboardInterrupt);
+      throw py::error_already_set();
+    }
   }
   py::list outputs, losses;
   for (const auto& out : result.outputs)
@@ -98,10 +116,12 @@ void set_custom_actions(runtime::Executor& executor, py::object fn, const std::v
 
 void set_timeout(runtime::Executor& executor, double timeout_s) { executor.set_timeout(to_ms(timeout_s)); }
 
-void report_setup_failure(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
-                          const at::Device& device, const std::string& what) {
-  runtime::P2P p2p(process_group, device);
-  runtime::Executor::report_setup_failure(p2p, what);
+void report_setup_failure(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const py::list& sync_groups,
+                          int global_rank, const std::string& what) {
+  std::vector<std::shared_ptr<c10d::ProcessGroup>> groups;
+  for (auto g : sync_groups) groups.push_back(runtime::share_group(g.cast<c10::intrusive_ptr<c10d::ProcessGroup>>()));
+  py::gil_scoped_release nogil;  // the stores only
+  runtime::Executor::report_setup_failure(process_group, groups, global_rank, what);
 }
 
 py::tuple signatures_to_py(const runtime::Executor& executor, int stage) {

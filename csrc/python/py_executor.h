@@ -22,25 +22,30 @@ namespace py = pybind11;
 
 // Executor(program, process_group, stages, device, *, timeout_s, ...): `stages` maps global
 // stage index -> zbpipe.PipelineStage (each wrapped in a PyStage); the keywords are
-// ExecutorOptions' and P2POptions' fields, timeout in seconds.
+// ExecutorOptions' and P2POptions' fields, timeout in seconds; `sync_groups` maps a stage
+// index to the list of its data-parallel process groups.
 std::unique_ptr<runtime::Executor> make_executor(
     const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
     const py::dict& stages, const at::Device& device, double timeout_s, bool device_timing,
     std::optional<bool> prepost_receives, bool static_shapes, std::optional<bool> stream_ordered,
-    bool overlap_f_b);
+    bool overlap_f_b, int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups);
 
 // Executor.run(step, first_inputs, loss_scale): runs one step on `step` (the Python step data
 // every stage call receives) with the GIL released; `first_inputs` is the (specs, structure)
 // signature of the step's microbatch inputs on stage 0's rank, else None. Returns (outputs,
 // losses): per microbatch on the last stage's rank (None where none was kept), else empty.
+// Ctrl-C during the step (on the main thread) ends it within a poll interval: raises the
+// SIGINT handler's exception (KeyboardInterrupt) after telling the peers (step_interrupt.h).
 py::tuple run_step(runtime::Executor& executor, py::object step, py::object first_inputs,
                    double loss_scale);
 
 // Executor.set_custom_actions(fn, kinds): fn(action) runs the actions of `kinds` (None: none).
 void set_custom_actions(runtime::Executor& executor, py::object fn, const std::vector<Kind>& kinds);
 void set_timeout(runtime::Executor& executor, double timeout_s);
-void report_setup_failure(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
-                          const at::Device& device, const std::string& what);
+// Executor.report_setup_failure(process_group, sync_groups, global_rank, what): through the
+// groups' stores only, so it works whatever the device that failed.
+void report_setup_failure(const c10::intrusive_ptr<c10d::ProcessGroup>& process_group, const py::list& sync_groups,
+                          int global_rank, const std::string& what);
 
 // ((input specs, structure), (output specs, structure)) of a local stage.
 py::tuple signatures_to_py(const runtime::Executor& executor, int stage);

@@ -32,12 +32,21 @@ runtime::Signature signature_from_py(const py::handle& obj) {
   return runtime::Signature{specs_from_py(pair[0]), pair[1].cast<std::string>()};
 }
 
-std::string format_python_error(py::error_already_set& e) {
+runtime::StageError stage_error(py::error_already_set& e) {
   try {
-    auto lines = py::module_::import("traceback").attr("format_exception")(e.type(), e.value(), e.trace());
-    return py::str("").attr("join")(lines).cast<std::string>();
+    auto tb = py::module_::import("traceback");
+    std::string summary = py::str("").attr("join")(tb.attr("format_exception_only")(e.type(), e.value()))
+                              .cast<std::string>();
+    while (!summary.empty() && summary.back() == '\n') summary.pop_back();
+    std::string trace = py::str("").attr("join")(tb.attr("format_exception")(e.type(), e.value(), e.trace()))
+                            .cast<std::string>();
+    // The traceback ends with the summary, which the report's first line already says: once.
+    while (!trace.empty() && trace.back() == '\n') trace.pop_back();
+    if (trace.size() > summary.size() && trace.compare(trace.size() - summary.size(), summary.size(), summary) == 0)
+      trace.resize(trace.size() - summary.size());
+    return runtime::StageError(std::move(summary), std::move(trace));
   } catch (...) {
-    return e.what();
+    return runtime::StageError(e.what(), "");
   }
 }
 

@@ -13,6 +13,7 @@
 
 #include "runtime/errors.h"
 #include "runtime/stage_handle.h"
+#include "zbpipe/cancel.h"
 
 namespace zbpipe::python {
 
@@ -45,17 +46,22 @@ std::vector<runtime::TensorSpec> specs_from_py(const py::handle& obj);
 // A Signature from Python's (specs, structure) pair; None gives the empty signature.
 runtime::Signature signature_from_py(const py::handle& obj);
 
-// Runs f() (with the GIL held) and turns a Python exception into a StageError carrying its
-// formatted traceback; `where` names the Python code that raised.
-std::string format_python_error(py::error_already_set& e);
+// A Python exception as a StageError: its summary ("<Type>: <message>", the first line of
+// every rank's report) and its formatted traceback without that summary at its end (shown on
+// this rank only), so the user's message appears once.
+runtime::StageError stage_error(py::error_already_set& e);
+// Runs f() (with the GIL held) and turns a Python exception into a StageError (stage_error);
+// KeyboardInterrupt (Ctrl-C reached the stage's code) into zbpipe::Cancelled, so the step
+// ends as interrupted (see step_interrupt.h). `where` names the Python code that raised.
 template <typename F>
 auto guarded(F&& f, const char* where = "the stage") -> decltype(f()) {
   try {
     return f();
   } catch (py::error_already_set& e) {
-    throw runtime::StageError(std::string("exception in ") + where + ":\n" + format_python_error(e));
+    if (e.matches(PyExc_KeyboardInterrupt)) throw Cancelled();
+    throw stage_error(e);
   } catch (py::cast_error& e) {
-    throw runtime::StageError(std::string(where) + " returned a value of the wrong type: " + e.what());
+    throw runtime::StageError(std::string("TypeError: ") + where + " returned a value of the wrong type: " + e.what(), "");
   }
 }
 

@@ -8,6 +8,7 @@
 
 #include "runtime/errors.h"
 #include "runtime/trace_scope.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/passes.h"
 
 namespace zbpipe::runtime {
@@ -63,6 +64,15 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
         "this group (", p2p_->backend_name(), ") is stream-ordered, where receives are posted "
         "at their RECV action: leave prepost_receives unset"));
   table_ = build_dispatch(program_, rank_, options_.overlap_f_b);
+  if (!options_.group_ranks.empty()) {  // messages name the world's ranks
+    ZB_CHECK(static_cast<int>(options_.group_ranks.size()) == program_.pp, "group_ranks has ",
+             options_.group_ranks.size(), " entries for a group of ", program_.pp);
+    for (Comm& k : table_.comms) {
+      const bool send = k.kind == Kind::SEND_F || k.kind == Kind::SEND_B;
+      k.desc = detail::str(to_string(program_.ranks[rank_][k.index]), send ? " to rank " : " from rank ",
+                           global(k.peer));
+    }
+  }
   adopt_stages(std::move(stages));
   for (const Entry& e : table_.entries)
     trace_.push_back(TraceRecord{e.label, rank_, e.index, static_cast<int>(trace_.size()), e.unit});
@@ -78,6 +88,8 @@ void Executor::adopt_stages(std::map<int, std::shared_ptr<StageHandle>> stages) 
     st.trains = table_.trains(static_cast<int>(stages_.size()));
     st.queues_weight = h->queues_weight_work();
     st.syncs_grads = h->syncs_gradients();
+    if (auto g = options_.sync_groups.find(s); g != options_.sync_groups.end() && st.syncs_grads)
+      st.sync_groups = g->second;
     st.handle = std::move(h);
     st.slots.resize(static_cast<size_t>(program_.microbatches));
     syncs.push_back(st.syncs_grads);
@@ -124,6 +136,7 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
       continue;
     }
     trace_[i].wait_ns = 0;
+    if (interrupted_.load(std::memory_order_relaxed)) fail_step(e.index, Cancelled());
     if (!e.concurrent) join_worker();  // an overlapped unit ends before what follows it
     if (e.on_worker) start_on_worker(i);
     else run_here(i);
@@ -152,6 +165,7 @@ void Executor::run_here(size_t i) {
   or_fail_step(e.index, [&] {
     TraceScope timed(rec, *timer_, i);
     if (e.sync_grads) {
+      meet_replicas(e);
       static const std::vector<at::Tensor> kNoRoots;
       stages_[e.local].handle->begin_gradient_sync(e.kind == Kind::B ? slot(e.local, e.mb).roots : kNoRoots);
     }

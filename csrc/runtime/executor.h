@@ -11,7 +11,10 @@
 // names the step's input signature, a new one is negotiated by the handshake, a known one
 // reused), unless static_shapes; a failing rank publishes its failure through the group's
 // store and its peers' pending communication is aborted (failure_watch.h). A data-parallel
-// stage (DDP, FSDP2) gets begin/end_gradient_sync around its last backward action of the step.
+// stage (DDP, FSDP2) gets begin/end_gradient_sync around its last backward action of the step,
+// once its replicas have all reached it (replica_barrier.h); a failure crosses to the other
+// replicas through the data-parallel groups' stores. Ctrl-C (interrupt()) ends a step within a
+// poll interval, telling the peers.
 //
 // Rooms: executor.cpp (the step and its compute verbs), dispatch.cpp (the table),
 // step_comms.cpp (posting and tracking messages), executor_failure.cpp (teardown and the
@@ -19,6 +22,7 @@
 // executor_custom.cpp (register_custom_function's protocol).
 #pragma once
 
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -57,6 +61,14 @@ struct ExecutorOptions {
   // accelerators, joined back by an event -- while this thread runs the forward (Python); the
   // forward's SEND goes out as soon as it finishes. False runs them in sequence.
   bool overlap_f_b = true;
+  // Who is who in the world, for messages and for failures crossing groups: this rank's global
+  // rank and the global rank of each rank of the group (empty: the group is the world).
+  int global_rank = -1;
+  std::vector<int> group_ranks;
+  // Per stage of this rank (global index): the data-parallel groups its gradient sync runs a
+  // collective on (DDP's group, FSDP2's shard and replicate groups). Their stores carry
+  // failures between replicas, and the replicas meet before the sync (replica_barrier.h).
+  std::map<int, std::vector<std::shared_ptr<c10d::ProcessGroup>>> sync_groups;  // see share_group
 };
 
 // Not thread-safe: one thread drives an executor (its worker thread is its own business).
@@ -101,9 +113,16 @@ class Executor {
   // store only; never throws.
   void report_failure(const std::string& what);
   // The same for a rank whose executor could not even be built (e.g. stages placed where the
-  // program does not put them): its peers' executor of the same number learns `what`. Never
-  // throws.
-  static void report_setup_failure(P2P& p2p, const std::string& what);
+  // program does not put them, a device no backend serves): the peers' executor of the same
+  // number, on `group` and on each of `sync_groups`, learns `what`. Touches only the groups'
+  // stores (whatever the device); never throws.
+  static void report_setup_failure(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                   const std::vector<std::shared_ptr<c10d::ProcessGroup>>& sync_groups,
+                                   int global_rank, const std::string& what);
+  // Ctrl-C: thread-safe, from any thread (the signal watcher of the binding). The running step
+  // (or the next one) stops at its next wait or action, throws zbpipe::Cancelled, and its
+  // peers are told "rank R was interrupted"; the executor is unusable afterwards.
+  void interrupt();
 
   // Actions of `kinds` (compute kinds) run through `handler` from the next step on; an empty
   // list or a null handler restores the built-in computation. Call between steps. Throws
@@ -150,20 +169,29 @@ class Executor {
   static constexpr int kStepStart = -2;  // a failure before the step's first action
   static constexpr int kStepEnd = -1;    // one after the last (waiting for the sends)
   // Tears the step down (abandon_in_flight), marks the executor broken, tells the peers (or
-  // names the peer's failure that caused this one) and throws PipelineError with the program
-  // grid marked at `index`: the failing action's, kStepStart or kStepEnd.
-  [[noreturn]] void fail_step(int index, const std::string& what);
-  // What fail_step throws: publishes this rank's failure unless a peer's came first.
-  std::string failure_report(int index, const std::string& what);
+  // names the peer's failure that caused this one) and throws PipelineError whose first line
+  // names the failing rank, stage and action (`index`: the failing action's, kStepStart or
+  // kStepEnd) and the cause `ex`, with the program grid marked; zbpipe::Cancelled instead
+  // when this rank was interrupted.
+  [[noreturn]] void fail_step(int index, const std::exception& ex, const char* prefix = "");
   // Runs `f`; a std::exception it throws fails the step at `index`, its text after `prefix`.
   template <typename F>
   void or_fail_step(int index, F&& f, const char* prefix = "") {
     try {
       f();
     } catch (const std::exception& ex) {
-      fail_step(index, std::string(prefix) + ex.what());
+      fail_step(index, ex, prefix);
     }
   }
+  // Where action `index` of this rank is, for a failure's first line: "in stage 1 at action
+  // 1F2 (microbatch 2)", "at the start of step 3", ...
+  std::string where(int index) const;
+  // The global rank of group rank `r` (the world's numbering, which every message uses).
+  int global(int r) const;
+  // Throws (to end a wait) when a peer's failure was seen or this rank was interrupted.
+  void check_stop() const;
+  // Before a data-parallel stage's sync: every replica reached it (replica_barrier.h).
+  void meet_replicas(const Entry& e);
   // After a failure: unfinished batches stay alive (see P2P::abandon), step state is dropped.
   void abandon_in_flight();
   void clear_slots();
@@ -225,6 +253,7 @@ class Executor {
   int64_t id_ = -1;                   // executor id on the group (failure_watch.h)
   bool agreed_ = false;               // program fingerprints compared
   std::unique_ptr<FailureWatch> watch_;
+  std::atomic<bool> interrupted_{false};  // interrupt() was called
 };
 
 }  // namespace zbpipe::runtime

@@ -3,7 +3,10 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
+
+#include <algorithm>
 
 #include "runtime/errors.h"
 #include "runtime/executor.h"
@@ -25,24 +28,74 @@ bool same(const Signature& a, const Signature& b) { return a.specs == b.specs &&
 }  // namespace
 
 void Executor::ensure_watch() {
-  if (watch_ || program_.pp < 2) return;
+  if (watch_) return;
+  const bool data_parallel =
+      std::any_of(stages_.begin(), stages_.end(), [](const LocalStage& st) { return !st.sync_groups.empty(); });
+  if (program_.pp < 2 && !data_parallel) return;
   auto store = p2p_->store();
   if (!store) return;  // a group without a store: no propagation, no program agreement
   id_ = next_executor_id(*store, rank_);
+  std::vector<FailureChannel> channels{{store, failure_key(id_)}};
+  // One executor id per data-parallel group (the replicas build their schedules in the same
+  // order, so the ids match), in the stages' order: its failure channel and its barriers.
+  std::map<const c10d::ProcessGroup*, int64_t> ids;
+  std::vector<std::shared_ptr<c10d::ProcessGroup>> groups;
+  for (auto& st : stages_) {
+    st.replicas.clear();
+    for (const auto& g : st.sync_groups) {
+      auto [it, fresh] = ids.emplace(g.get(), 0);
+      if (fresh) {
+        it->second = next_executor_id(*g->getStore(), g->getRank());
+        channels.push_back({g->getStore(), failure_key(it->second)});
+        groups.push_back(g);
+      }
+      st.replicas.emplace_back(g, detail::str("zbpipe/x", it->second, "/stage", st.stage, "/replicas"));
+    }
+  }
   P2P* p2p = p2p_.get();
-  watch_ = std::make_unique<FailureWatch>(store, detail::str("zbpipe/x", id_, "/failure"), rank_,
-                                          [p2p] { p2p->abort_all(); });
+  const bool host = p2p_->device().is_cpu();
+  watch_ = std::make_unique<FailureWatch>(std::move(channels), global(rank_), [p2p, groups, host] {
+    p2p->abort_all();
+    // Accelerators: a data-parallel collective in flight ends only with its communicator.
+    // (Gloo cannot abort one: the replicas' barrier keeps them out of it instead.)
+    if (!host)
+      for (const auto& g : groups) {
+        try {
+          g->abort();
+        } catch (const std::exception&) {
+        }
+      }
+  });
 }
 
-void Executor::report_setup_failure(P2P& p2p, const std::string& what) {
-  auto store = p2p.store();
-  if (!store || p2p.size() < 2) return;
-  try {
-    const int64_t id = next_executor_id(*store, p2p.rank());  // the number the peers' executor has
-    publish_failure(*store, detail::str("zbpipe/x", id, "/failure"),
-                    StepFailure{p2p.rank(), "(building the executor)", 1, what});
-  } catch (const std::exception&) {
-  }
+void Executor::meet_replicas(const Entry& e) {
+  LocalStage& st = stages_[e.local];
+  for (auto& r : st.replicas)
+    r.arrive_and_wait(options_.timeout, [this] { check_stop(); },
+                      detail::str("the data-parallel replicas of stage ", st.stage, " to reach its gradient sync"));
+}
+
+void Executor::report_setup_failure(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
+                                    const std::vector<std::shared_ptr<c10d::ProcessGroup>>& sync_groups,
+                                    int global_rank, const std::string& what) {
+  // The same numbering as ensure_watch: the pipeline group's id, then one per distinct group.
+  std::vector<const c10d::ProcessGroup*> seen;
+  auto publish = [&](const c10d::ProcessGroup* g) {
+    if (!g || std::find(seen.begin(), seen.end(), g) != seen.end()) return;
+    seen.push_back(g);
+    try {
+      auto store = g->getStore();
+      if (!store) return;
+      const int64_t id = next_executor_id(*store, g->getRank());  // the number the peers' executor has
+      publish_failure(*store, failure_key(id),
+                      StepFailure{global_rank >= 0 ? global_rank : group->getRank(), false,
+                                  "while building its executor", 1, what});
+    } catch (const std::exception&) {
+    }
+  };
+  if (!group) return;
+  if (group->getSize() >= 2 || !sync_groups.empty()) publish(group.get());
+  for (const auto& g : sync_groups) publish(g.get());
 }
 
 void Executor::agree_before_step(const Signature& first_inputs) {

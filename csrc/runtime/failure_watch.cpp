@@ -1,4 +1,5 @@
-// FailureWatch: one compare-and-set key per executor, polled by a watcher thread during steps.
+// FailureWatch: one compare-and-set key per executor and channel, polled by a watcher thread
+// during steps, each failure forwarded to the other channels.
 #include "runtime/failure_watch.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
@@ -9,27 +10,31 @@ namespace zbpipe::runtime {
 
 namespace {
 
-// rank \n step \n action \n message (the message last: it may hold newlines).
+// rank \n interrupted \n step \n where \n message (the message last: it may hold newlines).
 std::vector<uint8_t> encode(const StepFailure& f) {
-  std::string s = std::to_string(f.rank) + "\n" + std::to_string(f.step) + "\n" + f.action + "\n" + f.message;
+  std::string s = detail::str(f.rank, "\n", f.interrupted ? 1 : 0, "\n", f.step, "\n", f.where, "\n", f.message);
   return {s.begin(), s.end()};
 }
 
 std::optional<StepFailure> decode(const std::vector<uint8_t>& v) {
   std::string s(v.begin(), v.end());
-  const size_t a = s.find('\n');
-  const size_t b = a == std::string::npos ? a : s.find('\n', a + 1);
-  const size_t c = b == std::string::npos ? b : s.find('\n', b + 1);
-  if (c == std::string::npos) return std::nullopt;
+  size_t at[4];
+  size_t from = 0;
+  for (size_t& a : at) {
+    a = s.find('\n', from);
+    if (a == std::string::npos) return std::nullopt;
+    from = a + 1;
+  }
   StepFailure f;
   try {
-    f.rank = std::stoi(s.substr(0, a));
-    f.step = std::stoll(s.substr(a + 1, b - a - 1));
+    f.rank = std::stoi(s.substr(0, at[0]));
+    f.interrupted = s.substr(at[0] + 1, at[1] - at[0] - 1) == "1";
+    f.step = std::stoll(s.substr(at[1] + 1, at[2] - at[1] - 1));
   } catch (const std::exception&) {
     return std::nullopt;
   }
-  f.action = s.substr(b + 1, c - b - 1);
-  f.message = s.substr(c + 1);
+  f.where = s.substr(at[2] + 1, at[3] - at[2] - 1);
+  f.message = s.substr(at[3] + 1);
   return f;
 }
 
@@ -38,18 +43,25 @@ constexpr size_t kMaxMessage = 6000;  // the store is no place for a whole progr
 }  // namespace
 
 std::string StepFailure::describe() const {
-  return detail::str("rank ", rank, " failed at action ", action, " (its step ", step, "): ", message);
+  if (interrupted) return detail::str("rank ", rank, " was interrupted ", where, " (", message, ")");
+  return detail::str("rank ", rank, " failed ", where, ": ", message);
 }
 
-FailureWatch::FailureWatch(c10::intrusive_ptr<c10d::Store> store, std::string key, int rank,
-                           std::function<void()> on_peer_failure, std::chrono::milliseconds poll)
-    : store_(std::move(store)), key_(std::move(key)), rank_(rank),
-      on_peer_failure_(std::move(on_peer_failure)), poll_(poll) {
-  ZB_CHECK(store_, "the failure watch needs the process group's store");
-  try {
-    poll_store_ = store_->clone();  // its own connection: polls never queue behind the caller's
-  } catch (const std::exception&) {
-    poll_store_ = store_;  // stores are thread-safe; a clone only avoids contention
+std::string failure_key(int64_t id) { return detail::str("zbpipe/x", id, "/failure"); }
+
+FailureWatch::FailureWatch(std::vector<FailureChannel> channels, int rank, std::function<void()> on_peer_failure,
+                           std::chrono::milliseconds poll)
+    : channels_(std::move(channels)), rank_(rank), on_peer_failure_(std::move(on_peer_failure)), poll_(poll) {
+  ZB_CHECK(!channels_.empty(), "the failure watch needs at least the process group's store");
+  for (const auto& c : channels_) {
+    ZB_CHECK(c.store, "the failure watch needs the process group's store");
+    FailureChannel mine{c.store, c.key};
+    try {
+      mine.store = c.store->clone();  // its own connection: polls never queue behind the caller's
+    } catch (const std::exception&) {
+      // Stores are thread-safe; a clone only avoids contention.
+    }
+    poll_channels_.push_back(std::move(mine));
   }
   thread_ = std::thread([this] { loop(); });
 }
@@ -81,23 +93,34 @@ std::optional<StepFailure> FailureWatch::seen() const {
   return seen_;
 }
 
-void FailureWatch::take(const std::vector<uint8_t>& value) {
+void FailureWatch::take(const std::vector<uint8_t>& value, size_t from, bool watcher) {
   auto f = decode(value);
   if (!f || f->rank == rank_) return;
   bool first = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!seen_) {
-      seen_ = std::move(f);
+      seen_ = f;
       first = true;
     }
   }
-  if (first && on_peer_failure_) on_peer_failure_();
+  if (!first) return;
+  auto& channels = watcher ? poll_channels_ : channels_;
+  for (size_t i = 0; i < channels.size(); ++i)  // the other groups of this rank learn it too
+    if (i != from) publish_failure(*channels[i].store, channels[i].key, *f);
+  if (on_peer_failure_) on_peer_failure_();
 }
 
 std::optional<StepFailure> FailureWatch::poll_now() {
   if (auto s = seen()) return s;
-  if (store_->check({key_})) take(store_->get(key_));
+  for (size_t i = 0; i < channels_.size(); ++i) {
+    const auto& c = channels_[i];
+    try {
+      if (c.store->check({c.key})) take(c.store->get(c.key), i, /*watcher=*/false);
+    } catch (const std::exception&) {
+      // The store is unreachable: no news from it.
+    }
+  }
   return seen();
 }
 
@@ -118,12 +141,16 @@ StepFailure publish_failure(c10d::Store& store, const std::string& key, const St
 
 StepFailure FailureWatch::report(const StepFailure& mine) {
   if (auto s = seen()) return *s;
-  StepFailure stands = publish_failure(*store_, key_, mine);
-  if (stands.rank != rank_) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (!seen_) seen_ = stands;  // no abort: this rank is failing anyway
+  // A peer's failure standing on one channel is what the later channels are told.
+  StepFailure stands = mine;
+  for (const auto& c : channels_) {
+    StepFailure s = publish_failure(*c.store, c.key, stands);
+    if (stands.rank == rank_ && s.rank != rank_) stands = s;
   }
-  return stands;
+  if (stands.rank == rank_) return stands;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!seen_) seen_ = stands;  // no abort: this rank is failing anyway
+  return *seen_;
 }
 
 void FailureWatch::loop() {
@@ -132,13 +159,16 @@ void FailureWatch::loop() {
     cv_.wait(lock, [&] { return stopping_ || (armed_ && !seen_); });
     if (stopping_) break;
     lock.unlock();
-    std::optional<std::vector<uint8_t>> value;
-    try {
-      if (poll_store_->check({key_})) value = poll_store_->get(key_);
-    } catch (const std::exception&) {
-      // The store is unreachable (its host exited): no news to take; keep polling slowly.
+    for (size_t i = 0; i < poll_channels_.size(); ++i) {
+      const auto& c = poll_channels_[i];
+      std::optional<std::vector<uint8_t>> value;
+      try {
+        if (c.store->check({c.key})) value = c.store->get(c.key);
+      } catch (const std::exception&) {
+        // The store is unreachable (its host exited): no news to take; keep polling slowly.
+      }
+      if (value) take(*value, i, /*watcher=*/true);
     }
-    if (value) take(*value);
     lock.lock();
     cv_.wait_for(lock, poll_, [&] { return stopping_ || !armed_; });
   }

@@ -1,9 +1,12 @@
-// Failure propagation through the process group's c10d store (every group has one, whatever
-// the backend): a rank whose step fails publishes its failure (rank, action, step, message)
-// under the executor's key; a watcher thread on every rank polls that key while a step runs
-// and, seeing a peer's failure, calls `on_peer_failure` (the executor aborts its pending
+// Failure propagation through c10d stores (every group has one, whatever the backend): a rank
+// whose step fails publishes its failure (rank, where, step, message) under the executor's key
+// on each of its channels -- the pipeline group's store and the store of every data-parallel
+// group its stages sync gradients on -- and a watcher thread on every rank polls those keys
+// while a step runs. Seeing a peer's failure on one channel, it forwards it to the others (so
+// a failure crosses from one replica's pipeline to the next through the data-parallel groups,
+// whatever the path) and calls `on_peer_failure` (the executor aborts its pending
 // communication, P2P::abort_all), so a rank blocked in a wait fails within a poll interval
-// instead of at its timeout. Only the first failure is published (compare-and-set): a rank
+// instead of at its timeout. Only the first failure stands on a key (compare-and-set): a rank
 // failing because its peer did never reports itself as the cause.
 #pragma once
 
@@ -17,6 +20,7 @@
 #include <optional>
 #include <string>
 #include <thread>
+#include <vector>
 
 namespace c10d {
 class Store;
@@ -25,19 +29,29 @@ class Store;
 namespace zbpipe::runtime {
 
 struct StepFailure {
-  int rank = -1;
-  std::string action;  // "1F2", "(start of step)", ...
-  int64_t step = 0;    // the failing rank's step count, from 1
-  std::string message;
+  int rank = -1;             // the failing rank, as the world knows it (its global rank)
+  bool interrupted = false;  // Ctrl-C on that rank rather than an error
+  // Where it failed: "in stage 1 at action 1F2 (microbatch 2)", "at the start of step 3", ...
+  std::string where;
+  int64_t step = 0;          // the failing rank's step count, from 1
+  std::string message;       // "<Type>: <message>"; no traceback (that stays on the failing rank)
 
-  std::string describe() const;  // "rank 1 failed at action 1F2 (step 3): <message>"
+  // "rank 1 failed in stage 1 at action 1F2 (microbatch 2): ValueError: boom", or
+  // "rank 1 was interrupted in stage 1 at action 1F2 (microbatch 2) (KeyboardInterrupt)".
+  std::string describe() const;
+};
+
+// One place a failure is published and watched: a group's store and the executor's key there.
+struct FailureChannel {
+  c10::intrusive_ptr<c10d::Store> store;
+  std::string key;  // unique to the executor on that group, equal on its ranks (next_executor_id)
 };
 
 class FailureWatch {
  public:
-  // `key`: unique to this executor on the group and equal on every rank (see ExecutorIds).
-  FailureWatch(c10::intrusive_ptr<c10d::Store> store, std::string key, int rank,
-               std::function<void()> on_peer_failure,
+  // `channels`: the pipeline group's first, then the data-parallel groups' (at least one).
+  // `rank`: this rank's global rank (its own failures, read back, are not a peer's).
+  FailureWatch(std::vector<FailureChannel> channels, int rank, std::function<void()> on_peer_failure,
                std::chrono::milliseconds poll = std::chrono::milliseconds(50));
   ~FailureWatch();
   FailureWatch(const FailureWatch&) = delete;
@@ -47,21 +61,23 @@ class FailureWatch {
   void arm();
   void disarm();
 
-  // Publishes this rank's failure unless another rank's is there already; returns the one
-  // that stands (this rank's, or the earlier peer's, which is then also seen()).
+  // Publishes this rank's failure on every channel unless another rank's is there already;
+  // returns the one that stands (this rank's, or the earlier peer's, which is then also
+  // seen()). Blocks on the stores only; never throws.
   StepFailure report(const StepFailure& mine);
   // A peer's failure seen by the watcher (or by report), if any.
   std::optional<StepFailure> seen() const;
-  // One synchronous look at the key (no thread): what bounded store waits call between polls.
+  // One synchronous look at every channel (no thread): what bounded store waits call between
+  // polls.
   std::optional<StepFailure> poll_now();
 
  private:
   void loop();
-  void take(const std::vector<uint8_t>& value);  // decodes a published failure into seen_
+  // Decodes a failure published on channel `from` into seen_ and forwards it to the others.
+  void take(const std::vector<uint8_t>& value, size_t from, bool watcher);
 
-  c10::intrusive_ptr<c10d::Store> store_;        // the caller's (report, poll_now)
-  c10::intrusive_ptr<c10d::Store> poll_store_;   // the watcher thread's own (a clone if possible)
-  std::string key_;
+  std::vector<FailureChannel> channels_;       // the caller's stores (report, poll_now)
+  std::vector<FailureChannel> poll_channels_;  // the watcher thread's own (clones if possible)
   int rank_;
   std::function<void()> on_peer_failure_;
   std::chrono::milliseconds poll_;
@@ -80,5 +96,7 @@ StepFailure publish_failure(c10d::Store& store, const std::string& key, const St
 // Per-group executor numbering: the n-th executor a rank runs on a group gets id n on every
 // rank (ranks create their schedules on a group in the same order), so its store keys match.
 int64_t next_executor_id(c10d::Store& store, int rank);
+// The failure key of executor `id` on a group.
+std::string failure_key(int64_t id);
 
 }  // namespace zbpipe::runtime

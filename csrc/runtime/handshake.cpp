@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "runtime/errors.h"
+#include "zbpipe/cancel.h"
 
 namespace zbpipe::runtime {
 
@@ -100,6 +101,7 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
   std::map<int, StageSignatures> out;
   std::map<int, Message> forward_result;  // per local stage: what it passes on
   std::vector<std::shared_ptr<Batch>> sends;
+  std::string my_traceback;  // a local stage's traceback: shown on this rank only
 
   auto recv = [&](int stage, bool backward, int peer) {
     auto buf = at::empty({kMessageBytes}, at::TensorOptions().dtype(at::kByte).device(p2p.device()));
@@ -132,11 +134,16 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
       try {
         res.sig = handle->infer_outputs(step, in.sig);
         out[s] = StageSignatures{in.sig, res.sig};
+      } catch (const Cancelled&) {  // Ctrl-C: the executor tells the peers
+        for (auto& b : sends) P2P::abandon(b);
+        throw;
       } catch (const std::exception& e) {
         res.status = 1;
         res.failed_stage = s;
         res.failed_rank = me;
-        res.sig = Signature{{}, e.what()};
+        const auto* stage_error = dynamic_cast<const StageError*>(&e);
+        res.sig = Signature{{}, stage_error ? stage_error->summary() : e.what()};
+        if (stage_error) my_traceback = stage_error->traceback();
       }
     }
     forward_result[s] = res;
@@ -163,8 +170,8 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
     throw;
   }
   if (outcome.status != 0)
-    throw PipelineError(detail::str("pipeline handshake failed at stage ", outcome.failed_stage,
-                                    " (rank ", outcome.failed_rank, "): ", outcome.sig.structure));
+    throw HandshakeFailed(outcome.failed_rank, outcome.failed_stage, outcome.sig.structure,
+                          outcome.failed_rank == me ? my_traceback : "");
   return out;
 }
 

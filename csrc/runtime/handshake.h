@@ -20,7 +20,8 @@ struct StageSignatures {
 
 // Runs on every rank of `p` together; returns the signatures of this rank's stages (keyed by
 // global stage). `step`: the data of the step it runs in (StageHandle::infer_outputs reads it).
-// Throws PipelineError on every rank when any stage rejected its inputs.
+// Throws HandshakeFailed (naming the rejecting stage and its rank) on every rank when any stage
+// rejected its inputs; Cancelled when a local stage call was interrupted (Ctrl-C).
 std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
                                                    const std::map<int, StageHandle*>& stages,
                                                    const StepData& step,

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "runtime/handshake.h"
+#include "runtime/replica_barrier.h"
 #include "runtime/stage_backward.h"
 #include "runtime/stage_handle.h"
 
@@ -44,6 +45,10 @@ struct LocalStage {
   bool trains = false;         // has B or I actions: its forwards keep the graph
   bool queues_weight = false;  // the stage queues its own W work (StageHandle::queues_weight_work)
   bool syncs_grads = false;    // wants begin/end_gradient_sync (StageHandle::syncs_gradients)
+  // Its data-parallel groups (ExecutorOptions::sync_groups) and, once the failure watch is
+  // set up, the meeting point of its replicas on each.
+  std::vector<std::shared_ptr<c10d::ProcessGroup>> sync_groups;
+  std::vector<ReplicaBarrier> replicas;
   StageShapes shapes;          // for the current step's input signature
   SplitPlanCache split_plans;  // the I/W analysis per graph shape
   std::vector<Slot> slots;     // per microbatch

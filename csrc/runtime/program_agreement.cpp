@@ -53,7 +53,7 @@ void agree(c10d::Store& store, const std::string& key_prefix, int rank, int size
   auto pause = std::chrono::milliseconds(1);
   while (!store.check(peers)) {
     if (auto f = watch.poll_now())
-      throw PipelineError(detail::str("before the first step, ", f->describe()));
+      throw CommAborted("comparing the ranks' programs was aborted (a peer failed)");
     if (std::chrono::steady_clock::now() > deadline) {
       std::string missing;
       for (int r = 0; r < size; ++r)

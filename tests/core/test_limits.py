@@ -128,6 +128,7 @@ def test_size_limits_are_the_ones_the_messages_state():
         "stages_x_microbatches": 1 << 22,
         "actions": 1 << 25,
         "bytes_per_stage_microbatch": 448,
+        "csv_bytes": 1 << 28,
     }
 
 

@@ -125,15 +125,19 @@ def data(name: str, batch: int, seed: int = 1):
 class FaultyLinear(nn.Module):
     """nn.Linear(8, 8) that misbehaves at its n-th training forward (1-based; the handshake's
     no-grad shape run does not count): raises (fail_at), sleeps 4 s (sleep_at), returns half
-    its width (shrink_at), or ends its process with code 3 (die_at)."""
+    its width (shrink_at), or ends its process with code 3 (die_at); with broken=True every
+    call raises a RuntimeError, the shape runs (meta and real) included."""
 
-    def __init__(self, fail_at=None, shrink_at=None, sleep_at=None, die_at=None):
+    def __init__(self, fail_at=None, shrink_at=None, sleep_at=None, die_at=None, broken=False):
         super().__init__()
         self.lin = nn.Linear(8, 8)
         self.calls = 0
         self.fail_at, self.shrink_at, self.sleep_at, self.die_at = fail_at, shrink_at, sleep_at, die_at
+        self.broken = broken
 
     def forward(self, x):
+        if self.broken:
+            raise RuntimeError("this module is broken")
         self.calls += torch.is_grad_enabled()
         if self.calls == self.fail_at:
             raise ValueError("boom from inside the stage")

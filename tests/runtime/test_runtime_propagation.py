@@ -75,12 +75,12 @@ def _scenario(rank, pp, scenario):
     return _run(rank, zbpipe.Schedule1F1B, 8 if rank == 2 else 4, _on(rank, -1), steps=1)
 
 
-def _cause(rank, failing_rank, action):
-    """How a message names the failing rank and action: its own header, or a peer's report
-    (which interrupted this rank's communication: it did not wait for its own timeout)."""
-    if rank == failing_rank:
-        return f"zbpipe: rank {rank} failed at action {action} (index"
-    return f"rank {failing_rank} failed at action {action} (its step 2): "
+def _first_line(rank, failing_rank, action):
+    """How a message's first line names the failing rank, stage and action: its own failure,
+    or a peer's (which interrupted this rank's communication: it did not wait for its own
+    timeout)."""
+    culprit = f"rank {failing_rank} failed in stage {failing_rank} at action {action} (microbatch {action[-1]}): "
+    return culprit if rank == failing_rank else "aborted because " + culprit
 
 
 def _check(res, scenario, rank, *needles):
@@ -105,7 +105,9 @@ FAILURES = {
 def test_a_failure_reaches_every_rank(spawn_world, scenario):
     failing, action, needles = FAILURES[scenario]
     for rank, res in enumerate(spawn_world(PP).run(_scenario, scenario, timeout_s=300)):
-        _check(res, scenario, rank, f"zbpipe: rank {rank} failed at action", _cause(rank, failing, action), *needles)
+        _check(res, scenario, rank, *needles)
+        assert res[1].startswith(_first_line(rank, failing, action)), (scenario, rank, res[1])
+        assert "), step 2\n" in res[1], (scenario, rank, res[1])
         if rank != failing:  # its pending communication was aborted: no timeout of its own
             assert "was aborted (a peer failed)" in res[1], (scenario, rank, res[1])
             assert "timeout 60" not in res[1], (scenario, rank, res[1])

@@ -84,4 +84,5 @@ def test_static_shapes_keep_the_first_steps_and_refuse_a_change(spawn_world):
         if rank == 0:
             assert "static_shapes=True" in msg and ">>0F0<<" in msg, msg
         else:
-            assert "rank 0 failed at action 0F0 (its step 3)" in msg, msg
+            assert msg.startswith("aborted because rank 0 failed in stage 0 at action 0F0 (microbatch 0): "), msg
+            assert "), step 3\n" in msg, msg

@@ -23,6 +23,9 @@ inline constexpr int64_t kMaxMicrobatches = int64_t{1} << 20;
 inline constexpr int64_t kMaxCells = int64_t{1} << 22;
 // Actions handed in as text or lists (a lowered program holds at most 7 per pair).
 inline constexpr int64_t kMaxActions = int64_t{1} << 25;
+// A CSV schedule file read by Program.from_csv: room for kMaxActions actions of up to 7
+// characters and their separators; a larger file is refused before it is read.
+inline constexpr int64_t kMaxCsvBytes = int64_t{1} << 28;
 
 // Memory per (stage, microbatch) pair while compile() runs: the compute-only and the lowered
 // program side by side (40 bytes an action, up to 3 + 7 actions) and the passes' lookup tables.

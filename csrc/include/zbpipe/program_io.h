@@ -25,7 +25,9 @@ Program program_from_actions(const std::vector<std::vector<std::string>>& ranks,
                              const std::string& name = "custom", bool rendezvous = false);
 
 // PyTorch's CSV layout (csv_format.h) from text or from a file, validated as from_csv does;
-// `rendezvous` as above. read_csv_file throws ScheduleError when the file cannot be opened.
+// `rendezvous` as above. read_csv_file reads regular files of at most kMaxCsvBytes (limits.h) and
+// throws ScheduleError for a missing file, a directory, a FIFO or other special file, a larger
+// file (before reading it) and bytes that are not UTF-8 (naming the byte offset and line).
 Program program_from_csv_text(const std::string& text, bool rendezvous = false);
 Program read_csv_file(const std::string& path, bool rendezvous = false);
 // Writes to_csv(p) to `path`; throws zbpipe::Error when it cannot be written.
