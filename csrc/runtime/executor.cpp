@@ -132,6 +132,7 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
   for (size_t i = 0; i < entries.size(); ++i) {
     const Entry& e = entries[i];
     if (runs_custom(e)) {
+      join_worker();  // an overlapped unit ends before a custom action, as before any other
       i = run_custom(i);
       continue;
     }
@@ -164,14 +165,18 @@ void Executor::run_here(size_t i) {
   TraceRecord& rec = trace_[i];
   or_fail_step(e.index, [&] {
     TraceScope timed(rec, *timer_, i);
-    if (e.sync_grads) {
-      meet_replicas(e);
-      static const std::vector<at::Tensor> kNoRoots;
-      stages_[e.local].handle->begin_gradient_sync(e.kind == Kind::B ? slot(e.local, e.mb).roots : kNoRoots);
-    }
-    run_entry(e, rec);
-    if (e.sync_grads) stages_[e.local].handle->end_gradient_sync();
+    run_synced(e, rec);
   });
+}
+
+void Executor::run_synced(const Entry& e, TraceRecord& rec) {
+  if (e.sync_grads) {
+    meet_replicas(e);
+    static const std::vector<at::Tensor> kNoRoots;
+    stages_[e.local].handle->begin_gradient_sync(e.kind == Kind::B ? slot(e.local, e.mb).roots : kNoRoots);
+  }
+  run_entry(e, rec);
+  if (e.sync_grads) stages_[e.local].handle->end_gradient_sync();
 }
 
 void Executor::start_on_worker(size_t i) {

@@ -153,6 +153,9 @@ class Executor {
   void end_step();                     // waits the sends, drops the step's tensors
   // The verbs: one entry, no timing, no failure handling.
   void run_entry(const Entry& e, TraceRecord& rec);
+  // run_entry bracketed by the stage's gradient sync when the entry is its last backward of
+  // the step (here and in a custom function's part alike).
+  void run_synced(const Entry& e, TraceRecord& rec);
   void forward(const Entry& e, TraceRecord& rec);
   // B or I after its receive. `consumer`: on the worker, the caller's stream, on which the
   // tensors made here are recorded.

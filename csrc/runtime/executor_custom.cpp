@@ -51,7 +51,7 @@ void Executor::run_part(const Action& part) {
     rec.wait_ns = 0;
     {
       TraceScope timed(rec, *timer_, j);
-      run_entry(e, rec);
+      run_synced(e, rec);  // a stage's last backward syncs its gradients here too
     }
     part_.done[j - part_.begin] = 1;
     return;

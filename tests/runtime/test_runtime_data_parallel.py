@@ -37,10 +37,11 @@ def _mesh_and_reshards():
     return _STATE["mesh"], _STATE["reshards"]
 
 
-def _config(rank, world, name, deferred, wrapper):
+def _config(rank, world, name, deferred, wrapper, custom=False):
     """Two steps of one configuration, checked against the global batch in one process (an
     AssertionError names the parameter); returns (this rank's gradients flattened, the FSDP
-    reshards during the steps)."""
+    reshards during the steps). custom: every backward action runs through a registered
+    function (register_custom_function), which must sync gradients as the built-in path does."""
     from torch.distributed.fsdp import fully_shard
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -60,6 +61,9 @@ def _config(rank, world, name, deferred, wrapper):
 
     sched, mine = rank_schedule(name, mods, pp_rank, PP, M, group=pp_group, wrap=wrap,
                                 stage_kwargs=dict(deferred_linear=deferred), loss_fn=loss_fn, timeout=60)
+    if custom:
+        for kind in (zbpipe.Kind.B, zbpipe.Kind.I, zbpipe.Kind.W):
+            sched.register_custom_function(kind, lambda action, ctx: ctx.run(action))
     before = reshards["n"]
     rows = slice(dp_rank * 2 * M, (dp_rank + 1) * 2 * M)  # this replica's half of the batch
     for x, y in steps:
@@ -125,6 +129,15 @@ def test_stages_match_the_global_batch(spawn_world, wrapper, name, deferred):
         # One group per stage module (fully_shard of the stage root), two steps.
         stages_here = zbpipe.compile(name, PP, M).num_stages // PP
         assert [r[1] for r in results] == [2 * stages_here] * (PP * DP), results
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zb_h1"])
+def test_custom_backward_functions_sync_gradients(spawn_world, name):
+    # The last backward of a stage syncs its replicas' gradients also when a registered
+    # function runs it (the gradients equal the global batch's, checked on every rank).
+    results = spawn_world(PP * DP).run(_config, name, False, "ddp", True, timeout_s=300)
+    for p in range(PP):
+        assert results[p][0] and results[p][0] == results[p + PP][0], f"replicas of pp rank {p} disagree"
 
 
 def test_ddp_options_the_pipeline_cannot_honour_are_refused(spawn_world):
