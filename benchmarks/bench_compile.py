@@ -15,8 +15,9 @@ each runs on its pick by default; "no refine" times the search alone (refine=Fal
 threads), and the exhaustive grid and the speedup compare searches alone.
 
 A last table is issue #20's goal: every cost-driven schedule at pp=32, m=128 under unequal
-costs (each cell of the search table but "unit"), compiled as a user would (default threads,
-refinement included), against 50 ms.
+costs (each cell of the search table but "unit", and the same under the paper's 28.3B model,
+its own pp=32 cell), compiled as a user would (default threads, refinement included), against
+50 ms.
 
     PYTHONPATH=. python benchmarks/bench_compile.py          # full tables (32x128 cells take seconds)
     PYTHONPATH=. python benchmarks/bench_compile.py --quick  # skip the (32, 128) size
@@ -57,17 +58,21 @@ GOAL_SIZE, GOAL_MS = (32, 128), 50.0  # issue #20, item 5
 PAPER_COSTS = dict(f=18.522, b=18.086, w=9.337, comm=0.601)
 # Its memory model (Table 1, h=2304, a=24, s=1024): M_B = 34h + 5as, M_W = 32h.
 PAPER_MEMORY = dict(mem_f=[34.0 * 2304 + 5 * 24 * 1024], mem_w=[32.0 * 2304])
+# The paper's 28.3B model at p=32, m=128 (Table 6; h=6144, a=48): its own pp=32 cell.
+PAPER_28B = (dict(f=10.408, b=10.204, w=7.703, comm=0.408),
+             dict(mem_f=[34.0 * 6144 + 5 * 48 * 1024], mem_w=[32.0 * 6144]))
 
 
-def search_cells(name: str, pp: int):
-    """(label, compile options) of the search table for `name` at `pp`."""
+def search_cells(name: str, pp: int, model: str = "1.5B", costs=PAPER_COSTS, memory=PAPER_MEMORY):
+    """(label, compile options) of the search table for `name` at `pp`: unit costs, the
+    paper's costs of `model` and, for zb_auto, its memory model at caps p and 2p."""
     k = 1 if name == "zb_auto" else 2
-    costed = {n: ([v / k] if n != "comm" else v) for n, v in PAPER_COSTS.items()}
-    cells = [("unit", {}), ("1.5B", costed)]
+    costed = {n: ([v / k] if n != "comm" else v) for n, v in costs.items()}
+    cells = [("unit", {}), (model, costed)]
     if name == "zb_auto":
-        cap2 = 2 * pp * PAPER_MEMORY["mem_f"][0]
-        cells += [("1.5B+mem", dict(costed, **PAPER_MEMORY)),
-                  ("+mem 2p", dict(costed, **PAPER_MEMORY, memory_cap=cap2))]
+        cap2 = 2 * pp * memory["mem_f"][0]
+        cells += [(f"{model}+mem", dict(costed, **memory)),
+                  ("+mem 2p", dict(costed, **memory, memory_cap=cap2))]
     return cells
 
 
@@ -208,7 +213,7 @@ def goal_table(reps: int) -> None:
     print(header)
     print("-" * len(header))
     for name in SEARCHED:
-        for label, opts in search_cells(name, pp):
+        for label, opts in search_cells(name, pp) + search_cells(name, pp, "28.3B", *PAPER_28B):
             if label == "unit":
                 continue
             ours = median_seconds(lambda: _C.compile(name, pp, m, **opts), reps) * 1e3

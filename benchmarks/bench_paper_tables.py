@@ -12,16 +12,10 @@ greedy heuristic among the candidates); zb_auto as compiled by default (refined)
 bound of zbpipe.lower_bound (no order reaches below it: a cell at its bound is optimal); and the
 compile time of the default build (median of 3, one search thread).
 
-A second table runs v_half and v_min ("Pipeline Parallelism with Controllable Memory", Qi et al.
-2024) under the 1.5B costs halved per V stage, against the reference implementation's V-Half and
-V-Min figures (sail-sg's greedy with its reordering; issue #20): their search alone
-(refine=False, the reference's program), their default compile (refined inside compile, 1M
-actions), zbpipe.refine at its default budget (3M actions) on the search's pick and its time,
-all within the V paper's caps ((p+2)//2 and (p+4)//3 microbatches of both stages), and the
-lower bound.
+The V schedules against their reference, refined and bounded: bench_v_reference.py.
 
     PYTHONPATH=. python benchmarks/bench_paper_tables.py
-    PYTHONPATH=. python benchmarks/bench_paper_tables.py --markdown   # the README's table
+    PYTHONPATH=. python benchmarks/bench_paper_tables.py --markdown   # docs/schedules.md's table
 """
 
 from __future__ import annotations
@@ -34,12 +28,9 @@ import time
 
 import zbpipe
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests" / "core"))
 from test_paper_bubble_rates import TABLE, paper_memory  # noqa: E402
-
-# The V reference cells, each under its own Table 6 row's costs, and the V paper's caps.
-from bench_v_reference import CAP_UNITS, v_costs  # noqa: E402
-from bench_v_reference import REFERENCE as V_REFERENCE  # noqa: E402
+from bench_compile import machine_line  # noqa: E402
 
 
 def cell(row, cap_in_p):
@@ -58,39 +49,11 @@ def cell(row, cap_in_p):
     return sim(plain), sim(refined), max(bound, 0.0), statistics.median(times) * 1e3
 
 
-def v_table(markdown: bool) -> None:
-    head = ("schedule", "p", "m", "costs", "reference", "refine=False", "compile", "zbpipe.refine",
-            "lower bound", "refine ms")
-    print()
-    if markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-    else:
-        print(f"{head[0]:<8} {head[1]:>3} {head[2]:>4} {head[3]:>11} {head[4]:>10} {head[5]:>12} "
-              f"{head[6]:>8} {head[7]:>13} {head[8]:>12} {head[9]:>10}")
-    for name, p, m, costs_row, reference in V_REFERENCE:
-        costs = v_costs(costs_row)
-        cap = CAP_UNITS[name](p)
-        prog = zbpipe.compile(name, p, m, refine=False, **costs)
-        compiled = zbpipe.compile(name, p, m, **costs)
-        t0 = time.perf_counter()
-        refined = zbpipe.refine(prog, **costs, memory_cap=cap)
-        ms = (time.perf_counter() - t0) * 1e3
-        bound = zbpipe.lower_bound(prog, **costs, memory_cap=cap).bubble_rate
-        sim = lambda prog: f"{zbpipe.simulate(prog, **costs).bubble_rate:.4f}"  # noqa: E731
-        values = (name, p, m, costs_row, f"{reference:.4f}", sim(prog), sim(compiled), sim(refined),
-                  f"{bound:.4f}", f"{ms:.0f}")
-        if markdown:
-            print("| " + " | ".join(str(v) for v in values) + " |")
-        else:
-            print(f"{values[0]:<8} {values[1]:>3} {values[2]:>4} {values[3]:>11} {values[4]:>10} "
-                  f"{values[5]:>12} {values[6]:>8} {values[7]:>13} {values[8]:>12} {values[9]:>10}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()
+    print(machine_line() + "\n")
     head = ("model", "p", "m", "cap", "paper", "zb_auto refine=False", "zb_auto", "lower bound",
             "compile ms")
     if args.markdown:
@@ -109,7 +72,6 @@ def main() -> None:
             else:
                 print(f"{values[0]:<6} {values[1]:>3} {values[2]:>4} {values[3]:>4} {values[4]:>7} "
                       f"{values[5]:>21} {values[6]:>8} {values[7]:>12} {values[8]:>11}")
-    v_table(args.markdown)
 
 
 if __name__ == "__main__":

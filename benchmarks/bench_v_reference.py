@@ -14,7 +14,9 @@ T_comm per 1F1B stage), pass times halved per V stage, T_comm not.
 zbpipe built before its post-passes; its program at these cells), "search" is zbpipe.compile
 with refine=False (the post-passes and the search: the reference's program), "zbpipe" the
 default compile (refined, the same memory); "vs ref" compares it with the reference's 6
-decimals. Memory: the largest per-rank peak in (stage, microbatch) units, half a
+decimals; "refine 3M" is zbpipe.refine at its default budget on the search's pick, "bound" the
+lower bound of zbpipe.lower_bound (no program within the cap does better), both within the
+paper's cap. Memory: the largest per-rank peak in (stage, microbatch) units, half a
 1F1B stage's activations each, against the paper's cap of (p+2)//2 (V-Half) and (p+4)//3
 (V-Min) 1F1B microbatches. --sweep adds p = 4..12 at m = p, 2p, 3p (1.5B m=24 costs).
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 
 import zbpipe
+from bench_compile import machine_line
 
 TABLE6 = {  # (T_F, T_B, T_W, T_comm) per 1F1B stage
     "1.5B m=24": (18.522, 18.086, 9.337, 0.601),
@@ -88,21 +91,26 @@ def block_layout(name: str, pp: int, m: int) -> zbpipe.Program:
 
 
 HEAD = ("schedule", "p", "m", "costs", "reference", "block", "search", "zbpipe", "vs ref",
-        "peak / cap units", "1F1B-mb")
-WIDTHS = (-8, 4, 5, -14, 11, 9, 9, 9, 7, 17, 8)  # negative: left-aligned
+        "refine 3M", "bound", "peak / cap units", "1F1B-mb")
+WIDTHS = (-8, 4, 5, -14, 11, 9, 9, 9, 7, 11, 8, 17, 8)  # negative: left-aligned
 
 
 def row(name: str, pp: int, m: int, costs_row: str, reference: float) -> tuple:
     costs = v_costs(costs_row)
     block = zbpipe.simulate(block_layout(name, pp, m), **costs)
-    search = zbpipe.simulate(zbpipe.compile(name, pp, m, refine=False, **costs), **costs)
+    searched = zbpipe.compile(name, pp, m, refine=False, **costs)
+    search = zbpipe.simulate(searched, **costs)
     res = zbpipe.simulate(zbpipe.compile(name, pp, m, **costs), **costs)
+    cap = CAP_UNITS[name](pp)
+    refined = zbpipe.simulate(zbpipe.refine(searched, **costs, memory_cap=cap), **costs)
+    bound = zbpipe.lower_bound(searched, **costs, memory_cap=cap)
     peak = max(res.peak_activations)
     diff = res.bubble_rate - reference  # the reference is given to 6 decimals
     vs = "=" if abs(diff) <= 5e-7 else ("<" if diff < 0 else ">")
     return (name, pp, m, costs_row, f"{reference:.4f}", f"{block.bubble_rate:.4f}",
             f"{search.bubble_rate:.4f}", f"{res.bubble_rate:.4f}", vs,
-            f"{peak} / {CAP_UNITS[name](pp)}", f"{peak / 2:.1f}")
+            f"{refined.bubble_rate:.4f}", f"{max(bound.bubble_rate, 0.0):.4f}",
+            f"{peak} / {cap}", f"{peak / 2:.1f}")
 
 
 def line(values: tuple, markdown: bool) -> str:
@@ -116,6 +124,7 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also p = 4..12 at m = p, 2p, 3p")
     ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = ap.parse_args()
+    print(machine_line() + "\n")
     print(line(HEAD, args.markdown))
     print("|" + "---|" * len(HEAD) if args.markdown else "-" * sum(abs(w) for w in WIDTHS))
     for cell in REFERENCE:

@@ -110,6 +110,21 @@ def test_paper_bubble_figures(pp):
         assert bubble_over_work("v_half", pp, m) <= pp / (2 * m) + 1e-9
 
 
+# docs/schedules.md's unit-cost table: (p, m) -> bubble over work of v_half, v_min, to 3
+# decimals, and their peaks in 1F1B microbatches.
+UNIT_COST_TABLE = {(4, 16): (0.052, 0.115, 3, 2), (8, 32): (0.089, 0.141, 5, 4),
+                   (16, 64): (0.107, 0.154, 9, 6), (32, 128): (0.116, 0.160, 17, 12)}
+
+
+@pytest.mark.parametrize("pp,m", sorted(UNIT_COST_TABLE))
+def test_unit_cost_table(pp, m):
+    half, low, half_mb, low_mb = UNIT_COST_TABLE[(pp, m)]
+    assert bubble_over_work("v_half", pp, m) == pytest.approx(half, abs=5e-4)
+    assert bubble_over_work("v_min", pp, m) == pytest.approx(low, abs=5e-4)
+    assert sim_model(zbpipe.compile("v_half", pp, m))[1] == half_mb
+    assert sim_model(zbpipe.compile("v_min", pp, m))[1] == low_mb
+
+
 def test_v_min_under_the_zb_paper_costs_trails_1f1b():
     # Unequal pass times (the Zero Bubble paper's 1.5B model: W about half of F and B) leave
     # V-Min's chain no slack, so its repeating block stretches: its makespan is 14% above
