@@ -76,13 +76,17 @@ def search_cells(name: str, pp: int, model: str = "1.5B", costs=PAPER_COSTS, mem
     return cells
 
 
-def median_seconds(fn, reps: int) -> float:
+def run_seconds(fn, reps: int) -> list[float]:
     times = []
     for _ in range(reps):
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def median_seconds(fn, reps: int) -> float:
+    return statistics.median(run_seconds(fn, reps))
 
 
 def torch_lowering(name: str, pp: int, m: int):
@@ -208,18 +212,22 @@ def search_table(sizes, reps: int, peer_reps: int) -> None:
 def goal_table(reps: int) -> None:
     pp, m = GOAL_SIZE
     print(f"\ncompile time at pp={pp}, m={m} under unequal costs, default threads, refinement "
-          f"included (goal: under {GOAL_MS:.0f} ms)")
-    header = f"{'schedule':<10}{'costs':>10}{'ms':>9}{'no refine ms':>14}{'goal':>7}"
+          f"included (goal: a median under {GOAL_MS:.0f} ms; the fastest run shows what other "
+          f"load on the machine added)")
+    header = (f"{'schedule':<10}{'costs':>10}{'median ms':>11}{'fastest ms':>12}"
+              f"{'no refine ms':>14}{'goal':>7}")
     print(header)
     print("-" * len(header))
     for name in SEARCHED:
         for label, opts in search_cells(name, pp) + search_cells(name, pp, "28.3B", *PAPER_28B):
             if label == "unit":
                 continue
-            ours = median_seconds(lambda: _C.compile(name, pp, m, **opts), reps) * 1e3
+            times = run_seconds(lambda: _C.compile(name, pp, m, **opts), reps)
+            ours, fastest = statistics.median(times) * 1e3, min(times) * 1e3
             bare = median_seconds(lambda: _C.compile(name, pp, m, refine=False, **opts), reps) * 1e3
             verdict = "ok" if ours < GOAL_MS else "over"
-            print(f"{name:<10}{label:>10}{ours:9.1f}{bare:14.1f}{verdict:>7}", flush=True)
+            print(f"{name:<10}{label:>10}{ours:11.1f}{fastest:12.1f}{bare:14.1f}{verdict:>7}",
+                  flush=True)
 
 
 if __name__ == "__main__":

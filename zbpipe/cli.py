@@ -63,8 +63,11 @@ def _costs(text: str) -> list[float]:
 
 
 def _positive_number(text: str) -> float:
-    value = _latency(text)
-    if value <= 0:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a positive number, got '{text}'")
     return value
 

@@ -88,6 +88,7 @@ def test_compare_lists_every_schedule_that_accepts(capsys):
     # v_half at pp=4 holds 3 1F1B microbatches (--mem-f's units); it takes no other cap.
     (["simulate", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "2"], "fixes its memory cap"),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--memory-cap", "0"], "expected a positive number"),
+    (["plan", "zb_auto", "--pp", "2", "-m", "2", "--memory-cap", "inf"], "expected a positive number"),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--mem-f", "1,2,3"], "--mem-f needs 1 value"),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--mem-w", "2"], "mem_w"),
     (["frobnicate"], "invalid choice"),
