@@ -16,8 +16,8 @@ namespace zbpipe::detail {
 
 namespace {
 
-// Actions the refinement may time (refine.h): about 15 ms on a 2-CPU machine whatever the
-// size. At pp=32, m=128 v_half's search plus this stays under the 50 ms budget of issue #20;
+// Actions the refinement may time (refine.h): up to about 15 ms on a 2-CPU machine whatever
+// the size. At pp=32, m=128 v_half's search plus this stays under the 50 ms budget of issue #20;
 // 1M takes V-Half at p=8, m=24 (1.5B costs) from the reference's 0.1702 to 0.1687 (3M: 0.1671,
 // at 45 ms of its own). See docs/benchmarks.md#compile-time-of-the-searched-schedules.
 constexpr long kVRefineBudget = 1'000'000;
