@@ -12,13 +12,10 @@ greedy heuristic among the candidates); zb_auto as compiled by default (refined)
 bound of zbpipe.lower_bound (no order reaches below it: a cell at its bound is optimal); and the
 compile time of the default build (median of 3, one search thread).
 
-A second table runs v_half and v_min ("Pipeline Parallelism with Controllable Memory", Qi et al.
-2024) under the 1.5B costs halved per V stage, against the reference implementation's V-Half and
-V-Min figures (sail-sg's greedy with its reordering; issue #20), refined with zbpipe.refine within
-the V paper's caps ((p+2)//2 and (p+4)//3 microbatches of both stages), with the lower bound.
+The V schedules against their reference, refined and bounded: bench_v_reference.py.
 
     PYTHONPATH=. python benchmarks/bench_paper_tables.py
-    PYTHONPATH=. python benchmarks/bench_paper_tables.py --markdown   # the README's table
+    PYTHONPATH=. python benchmarks/bench_paper_tables.py --markdown   # docs/schedules.md's table
 """
 
 from __future__ import annotations
@@ -31,8 +28,9 @@ import time
 
 import zbpipe
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests" / "core"))
 from test_paper_bubble_rates import TABLE, paper_memory  # noqa: E402
+from bench_compile import machine_line  # noqa: E402
 
 
 def cell(row, cap_in_p):
@@ -51,42 +49,11 @@ def cell(row, cap_in_p):
     return sim(plain), sim(refined), max(bound, 0.0), statistics.median(times) * 1e3
 
 
-# (schedule, p, m, the reference implementation's bubble rate)
-V_CELLS = [("v_half", 8, 24, 0.1702), ("v_half", 8, 32, 0.1339), ("v_half", 8, 64, 0.0737),
-           ("v_half", 16, 48, 0.1682), ("v_min", 8, 24, 0.3353), ("v_min", 8, 32, 0.3103),
-           ("v_min", 8, 64, 0.2758), ("v_min", 16, 48, 0.2926)]
-V_COSTS = dict(f=18.522 / 2, b=18.086 / 2, w=9.337 / 2, comm=0.601)
-
-
-def v_table(markdown: bool) -> None:
-    head = ("schedule", "p", "m", "reference", "zbpipe", "refined", "lower bound", "refine ms")
-    print()
-    if markdown:
-        print("| " + " | ".join(head) + " |")
-        print("|" + "---|" * len(head))
-    else:
-        print(f"{head[0]:<8} {head[1]:>3} {head[2]:>4} {head[3]:>10} {head[4]:>7} {head[5]:>8} "
-              f"{head[6]:>12} {head[7]:>10}")
-    for name, p, m, reference in V_CELLS:
-        cap = 2 * ((p + 2) // 2) if name == "v_half" else 2 * ((p + 4) // 3)
-        prog = zbpipe.compile(name, p, m, **V_COSTS)
-        t0 = time.perf_counter()
-        refined = zbpipe.refine(prog, **V_COSTS, memory_cap=cap)
-        ms = (time.perf_counter() - t0) * 1e3
-        bound = zbpipe.lower_bound(prog, **V_COSTS, memory_cap=cap).bubble_rate
-        values = (name, p, m, f"{reference:.4f}", f"{zbpipe.simulate(prog, **V_COSTS).bubble_rate:.4f}",
-                  f"{zbpipe.simulate(refined, **V_COSTS).bubble_rate:.4f}", f"{bound:.4f}", f"{ms:.0f}")
-        if markdown:
-            print("| " + " | ".join(str(v) for v in values) + " |")
-        else:
-            print(f"{values[0]:<8} {values[1]:>3} {values[2]:>4} {values[3]:>10} {values[4]:>7} "
-                  f"{values[5]:>8} {values[6]:>12} {values[7]:>10}")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = parser.parse_args()
+    print(machine_line() + "\n")
     head = ("model", "p", "m", "cap", "paper", "zb_auto refine=False", "zb_auto", "lower bound",
             "compile ms")
     if args.markdown:
@@ -105,7 +72,6 @@ def main() -> None:
             else:
                 print(f"{values[0]:<6} {values[1]:>3} {values[2]:>4} {values[3]:>4} {values[4]:>7} "
                       f"{values[5]:>21} {values[6]:>8} {values[7]:>12} {values[8]:>11}")
-    v_table(args.markdown)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """v_half / v_min against the reference implementation of the controllable-memory V paper.
 
-    PYTHONPATH=. python benchmarks/bench_v_reference.py [--sweep]
+    PYTHONPATH=. python benchmarks/bench_v_reference.py [--sweep] [--markdown]
 
 The reference is sail-sg/zero-bubble-pipeline-parallelism (commit 39f2c18), the V-Half / V-Min
 greedy of megatron/core/pipeline_parallel/zerobubble/scheduler/zbv_greedy.py: the paper's
@@ -11,8 +11,12 @@ work) / longest span, as zbpipe.simulate. Costs: the Zero Bubble paper's Table 6
 T_comm per 1F1B stage), pass times halved per V stage, T_comm not.
 
 "block" is the paper's block laid out as is, each idle slot running the oldest pending W (what
-zbpipe built before its post-passes; its program at these cells), "zbpipe" is zbpipe.compile
-under the same costs; "vs ref" compares it with the reference's 6 decimals. Memory: the largest per-rank peak in (stage, microbatch) units, half a
+zbpipe built before its post-passes; its program at these cells), "search" is zbpipe.compile
+with refine=False (the post-passes and the search: the reference's program), "zbpipe" the
+default compile (refined, the same memory); "vs ref" compares it with the reference's 6
+decimals; "refine 3M" is zbpipe.refine at its default budget on the search's pick, "bound" the
+lower bound of zbpipe.lower_bound (no program within the cap does better), both within the
+paper's cap. Memory: the largest per-rank peak in (stage, microbatch) units, half a
 1F1B stage's activations each, against the paper's cap of (p+2)//2 (V-Half) and (p+4)//3
 (V-Min) 1F1B microbatches. --sweep adds p = 4..12 at m = p, 2p, 3p (1.5B m=24 costs).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 
 import zbpipe
+from bench_compile import machine_line
 
 TABLE6 = {  # (T_F, T_B, T_W, T_comm) per 1F1B stage
     "1.5B m=24": (18.522, 18.086, 9.337, 0.601),
@@ -85,32 +90,50 @@ def block_layout(name: str, pp: int, m: int) -> zbpipe.Program:
     return zbpipe.Program.from_actions(ranks, list(range(pp)) + list(reversed(range(pp))), m)
 
 
-def row(name: str, pp: int, m: int, costs_row: str, reference: float) -> str:
+HEAD = ("schedule", "p", "m", "costs", "reference", "block", "search", "zbpipe", "vs ref",
+        "refine 3M", "bound", "peak / cap units", "1F1B-mb")
+WIDTHS = (-8, 4, 5, -14, 11, 9, 9, 9, 7, 11, 8, 17, 8)  # negative: left-aligned
+
+
+def row(name: str, pp: int, m: int, costs_row: str, reference: float) -> tuple:
     costs = v_costs(costs_row)
     block = zbpipe.simulate(block_layout(name, pp, m), **costs)
+    searched = zbpipe.compile(name, pp, m, refine=False, **costs)
+    search = zbpipe.simulate(searched, **costs)
     res = zbpipe.simulate(zbpipe.compile(name, pp, m, **costs), **costs)
+    cap = CAP_UNITS[name](pp)
+    refined = zbpipe.simulate(zbpipe.refine(searched, **costs, memory_cap=cap), **costs)
+    bound = zbpipe.lower_bound(searched, **costs, memory_cap=cap)
     peak = max(res.peak_activations)
     diff = res.bubble_rate - reference  # the reference is given to 6 decimals
     vs = "=" if abs(diff) <= 5e-7 else ("<" if diff < 0 else ">")
-    return (f"{name:<8}{pp:>4}{m:>5}  {costs_row:<12}{reference:>11.4f}{block.bubble_rate:>9.4f}"
-            f"{res.bubble_rate:>9.4f}{vs:>7}{peak:>9} / {CAP_UNITS[name](pp):<3}{peak / 2:>6.1f}")
+    return (name, pp, m, costs_row, f"{reference:.4f}", f"{block.bubble_rate:.4f}",
+            f"{search.bubble_rate:.4f}", f"{res.bubble_rate:.4f}", vs,
+            f"{refined.bubble_rate:.4f}", f"{max(bound.bubble_rate, 0.0):.4f}",
+            f"{peak} / {cap}", f"{peak / 2:.1f}")
+
+
+def line(values: tuple, markdown: bool) -> str:
+    if markdown:
+        return "| " + " | ".join(str(v) for v in values) + " |"
+    return "".join(f"{v:<{-w}}" if w < 0 else f"{v:>{w}}" for v, w in zip(values, WIDTHS))
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also p = 4..12 at m = p, 2p, 3p")
+    ap.add_argument("--markdown", action="store_true", help="print a Markdown table")
     args = ap.parse_args()
-    header = (f"{'schedule':<8}{'p':>4}{'m':>5}  {'costs':<12}{'reference':>11}{'block':>9}"
-              f"{'zbpipe':>9}{'vs ref':>7}{'peak / cap units':>17}{'1F1B-mb':>8}")
-    print(header)
-    print("-" * len(header))
+    print(machine_line() + "\n")
+    print(line(HEAD, args.markdown))
+    print("|" + "---|" * len(HEAD) if args.markdown else "-" * sum(abs(w) for w in WIDTHS))
     for cell in REFERENCE:
-        print(row(*cell), flush=True)
+        print(line(row(*cell), args.markdown), flush=True)
     if args.sweep:
         for name, table in REFERENCE_SWEEP.items():
             for pp, refs in table.items():
                 for m, reference in zip((pp, 2 * pp, 3 * pp), refs):
-                    print(row(name, pp, m, COSTS_1_5B, reference), flush=True)
+                    print(line(row(name, pp, m, COSTS_1_5B, reference), args.markdown), flush=True)
 
 
 if __name__ == "__main__":

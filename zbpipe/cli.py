@@ -22,7 +22,12 @@ per schedule stage is used as is; --raw-costs applies all values to each stage u
 zbpipe.simulate does). --comm is the latency of one cross-rank transfer.
 """
 MEMORY_HELP = """memory: peak activations count (stage, microbatch) units, the simulator's; with k stages per
-rank one unit is 1/k of a 1F1B stage's activations, shown as "1F1B-mb"."""
+rank one unit is 1/k of a 1F1B stage's activations, shown as "1F1B-mb". --mem-f is the memory
+one F holds (default 1) and --mem-w the part of it that waits from I to W (default all of it:
+I frees nothing), per 1F1B stage and split over a schedule's stages as the costs are; peak
+memory and --memory-cap are in --mem-f's units (at the defaults, 1F1B-mb; with --raw-costs,
+per schedule stage as zbpipe.compile and zbpipe.simulate take them).
+"""
 
 
 class CliError(Exception):
@@ -55,6 +60,16 @@ def _costs(text: str) -> list[float]:
     if any(v < 0 for v in values):
         raise argparse.ArgumentTypeError(f"costs must be non-negative, got '{text}'")
     return values
+
+
+def _positive_number(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number, got '{text}'")
+    return value
 
 
 def _latency(text: str) -> float:
@@ -96,25 +111,29 @@ def build_parser() -> argparse.ArgumentParser:
     costs.add_argument("--w", type=_costs, default=[1.0], help="backward-weight time (default 1)")
     costs.add_argument("--b-full", type=_costs, default=None, help="full backward time (default b+w)")
     costs.add_argument("--comm", type=_latency, default=0.0, help="cross-rank latency (default 0)")
-    cap = _Parser(add_help=False)
-    cap.add_argument("--memory-cap", type=_positive_int, default=None,
-                     help="activation cap per rank in (stage, microbatch) units (schedules that "
-                          "take one; in --compare, those that take this one)")
     costs.add_argument("--raw-costs", action="store_true",
-                       help="apply cost values to each schedule stage unchanged")
+                       help="apply cost and memory values to each schedule stage unchanged")
+    memory = _Parser(add_help=False)
+    memory.add_argument("--mem-f", type=_costs, default=[1.0],
+                        help="memory one forward holds until its backward (default 1)")
+    memory.add_argument("--mem-w", type=_costs, default=None,
+                        help="the part of --mem-f held from I to W (default: all of it)")
+    memory.add_argument("--memory-cap", type=_positive_number, default=None,
+                        help="memory per rank in --mem-f's units (schedules that take a cap; in "
+                             "--compare, those that take this one)")
 
     fmt = argparse.RawDescriptionHelpFormatter
-    sub.add_parser("plan", parents=[sched, cap], formatter_class=fmt, epilog=MEMORY_HELP,
+    sub.add_parser("plan", parents=[sched, memory], formatter_class=fmt, epilog=MEMORY_HELP,
                    help="print the per-rank program as a slot grid at unit costs",
                    description="The schedule as a grid: ranks as rows, one column per time slot "
                                "at unit costs (F = I = W = 1, B = 2), then its bubble rate and "
                                "peak memory per rank.")
-    sim = sub.add_parser("simulate", parents=[sched, costs, cap], formatter_class=fmt,
+    sim = sub.add_parser("simulate", parents=[sched, costs, memory], formatter_class=fmt,
                          epilog=COSTS_HELP + MEMORY_HELP,
                          help="the simulator's numbers under a cost model")
     sim.add_argument("--compare", action="store_true",
                      help="one table over every schedule that accepts (pp, microbatches)")
-    draw = sub.add_parser("draw", parents=[sched, costs, cap], formatter_class=fmt,
+    draw = sub.add_parser("draw", parents=[sched, costs, memory], formatter_class=fmt,
                           epilog=COSTS_HELP + MEMORY_HELP,
                           help="a timeline picture (needs matplotlib)")
     draw.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf)")
@@ -171,27 +190,41 @@ def _stage_count(name: str, args) -> int:
     return _C.build(name, args.pp, 1, args.stages_per_rank or 0).num_stages
 
 
+def _per_stage(args, names: tuple[str, ...], num_stages: int) -> dict:
+    """The request's values of `names` per schedule stage (see COSTS_HELP); `plan` has unit
+    costs and no --raw-costs."""
+    raw = getattr(args, "raw_costs", False)
+    return {n: _stage_costs(getattr(args, n, None), num_stages, args.pp, raw, n.replace("_", "-"))
+            for n in names}
+
+
 def _sim_costs(num_stages: int, args) -> dict:
-    c = {n: _stage_costs(getattr(args, n), num_stages, args.pp, args.raw_costs, n.replace("_", "-"))
-         for n in ("f", "b", "w", "b_full")}
-    return {**c, "comm": args.comm}
+    return {**_per_stage(args, ("f", "b", "w", "b_full"), num_stages), "comm": args.comm}
 
 
-def _compile(name: str, args, memory_cap: int | None) -> _C.Program:
+def _compile(name: str, args, memory_cap: float | None) -> _C.Program:
     """Compiles `name` for the CLI request. A cost-driven schedule (one that takes costs, see
-    zbpipe.schedule_options) is built under the costs it will be simulated with, split over
-    its stages; b_full is the simulator's alone (no builder runs a B)."""
+    zbpipe.schedule_options) is built under the costs (simulate, draw; plan: unit costs) and
+    the memory model it will be simulated with, split over its stages; b_full is the
+    simulator's alone (no builder runs a B)."""
     kw = {} if memory_cap is None else {"memory_cap": memory_cap}
     if "f" in schedule_options(name):
-        costs = _sim_costs(_stage_count(name, args), args)
-        kw.update({n: costs[n] for n in ("f", "b", "w", "comm")})
+        stages = _stage_count(name, args)
+        kw.update(_per_stage(args, ("mem_f", "mem_w"), stages))
+        if hasattr(args, "f"):
+            costs = _sim_costs(stages, args)
+            kw.update({n: costs[n] for n in ("f", "b", "w", "comm")})
     return compile_schedule(name, args.pp, args.microbatches, args.stages_per_rank, **kw)
 
 
 def _simulated(prog: _C.Program, args) -> tuple[dict, _C.SimResult]:
-    """The request's costs for `prog` and the simulator's result under them."""
-    costs = _sim_costs(prog.num_stages, args)
-    res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"], b_full=costs["b_full"])
+    """The request's costs for `prog` (unit costs for `plan`) and the simulator's result under
+    them and its memory model."""
+    costs = _sim_costs(prog.num_stages, args) if hasattr(args, "f") else \
+        dict(f=[1.0], b=[1.0], w=[1.0], b_full=None, comm=0.0)
+    memory = _per_stage(args, ("mem_f", "mem_w"), prog.num_stages)
+    res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"], b_full=costs["b_full"],
+                   **memory)
     return costs, res
 
 
@@ -212,7 +245,7 @@ def _memory_line(prog: _C.Program, res: _C.SimResult) -> str:
     line = f"peak activations per rank: {units} (stage, microbatch) units"
     if k > 1:
         line += f" = {[round(u / k, 2) for u in units]} 1F1B-mb"
-    return line
+    return line + f"\npeak memory per rank: {[round(v, 4) for v in res.peak_memory]} (--mem-f's units)"
 
 
 def _header(prog: _C.Program) -> str:
@@ -224,9 +257,8 @@ def _header(prog: _C.Program) -> str:
 
 def cmd_plan(args, out) -> int:
     _check_schedule(args)
-    prog = compile_schedule(args.schedule, args.pp, args.microbatches, args.stages_per_rank,
-                            memory_cap=args.memory_cap)
-    res = simulate(prog, 1.0, 1.0, 1.0, 0.0)
+    prog = _compile(args.schedule, args, args.memory_cap)
+    _, res = _simulated(prog, args)
     print(_header(prog), file=out)
     k = prog.num_stages // prog.pp
     labels = {1: "", 2: "; lowercase = a rank's second stage"}.get(k, "; labels are stage+kind+mb")
@@ -273,15 +305,16 @@ def _compare(args, out) -> int:
         if took_cap:
             capped.append(name)
         k = prog.num_stages // prog.pp
-        peak = max(res.peak_activations)
-        rows.append((name, k, res.makespan, res.bubble_rate, res.idle_rate, peak, peak / k))
-    cap = f", memory_cap={args.memory_cap} for {'/'.join(capped) or 'no schedule'}" if args.memory_cap else ""
+        rows.append((name, k, res.makespan, res.bubble_rate, res.idle_rate,
+                     max(res.peak_activations), max(res.peak_memory)))
+    cap = f", memory_cap={args.memory_cap:g} for {'/'.join(capped) or 'no schedule'}" if args.memory_cap else ""
+    mem_w = "" if args.mem_w is None else f" mem_w={args.mem_w}"
     print(f"pp={args.pp}, microbatches={args.microbatches}, f={args.f} b={args.b} w={args.w} "
-          f"comm={args.comm:g}{cap}", file=out)
+          f"comm={args.comm:g} mem_f={args.mem_f}{mem_w}{cap}", file=out)
     print(f"{'schedule':<18}{'stages/rank':>12}{'makespan':>11}{'bubble':>9}{'idle':>9}"
-          f"{'peak units':>12}{'peak 1F1B-mb':>14}", file=out)
-    for name, k, ms, br, ir, peak, mb in rows:
-        print(f"{name:<18}{k:>12}{ms:>11.3f}{br:>9.4f}{ir:>9.4f}{peak:>12}{mb:>14.2f}", file=out)
+          f"{'peak units':>12}{'peak memory':>13}", file=out)
+    for name, k, ms, br, ir, peak, mem in rows:
+        print(f"{name:<18}{k:>12}{ms:>11.3f}{br:>9.4f}{ir:>9.4f}{peak:>12}{mem:>13.2f}", file=out)
     for line in skipped:
         print(f"skipped: {line}", file=out)
     return 0
@@ -317,10 +350,11 @@ def cmd_draw(args, out) -> int:
         _check_schedule(args)
         prog = _compile(args.schedule, args, args.memory_cap)
         _, res = _simulated(prog, args)
+        print(_memory_line(prog, res), file=out)
         boxes, arrows = plot.program_boxes(prog, res, args.comm)
         size = args.size or (1600, 120 + 60 * prog.pp)
         title = (f"{_header(prog)}; bubble {res.bubble_rate:.3f}, "
-                 f"peak {max(res.peak_activations)} units")
+                 f"peak {max(res.peak_activations)} units, memory {max(res.peak_memory):g}")
         try:
             plot.draw(boxes, arrows, prog.pp, args.output, size=size, title=title)
         except (OSError, ValueError) as exc:  # unwritable file, unknown image format

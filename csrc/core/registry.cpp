@@ -10,14 +10,11 @@ namespace zbpipe {
 
 namespace {
 // Cost-driven builders search under the costs, the memory model and a cap (and take the search
-// mode); no builder runs a full B, so b_full only matters to the simulator.
+// mode), then refine their pick (refine.h) unless refine=false; no builder runs a full B, so
+// b_full only matters to the simulator.
 const std::vector<std::string> kSearchOptions = {
-    "f", "b", "w", "comm", "mem_f", "mem_w", "memory_cap", "exhaustive_search", "search_threads"};
-// zb_auto also refines its pick (refine.h).
-std::vector<std::string> with_refine(std::vector<std::string> options) {
-  options.push_back("refine");
-  return options;
-}
+    "f",     "b",          "w",          "comm", "mem_f", "mem_w", "memory_cap", "exhaustive_search",
+    "search_threads", "refine"};
 }  // namespace
 
 const std::vector<ScheduleInfo>& schedule_registry() {
@@ -39,7 +36,7 @@ const std::vector<ScheduleInfo>& schedule_registry() {
       {"dualpipev", "DeepSeek DualPipeV: F/B pairs run concurrently (backward on a worker thread), V topology, 2 stages per rank",
        build_dualpipev, {}},
       {"zb_auto", "Zero Bubble automatic: greedy search under the costs and a memory cap, 1 stage per rank",
-       build_zb_auto, with_refine(kSearchOptions)},
+       build_zb_auto, kSearchOptions},
       {"v_half", "V-Half: V shape, 2 stages per rank, ~1/2 of 1F1B's activations", build_v_half,
        kSearchOptions},
       {"v_min", "V-Min: V shape, 2 stages per rank, ~1/3 of 1F1B's activations", build_v_min,

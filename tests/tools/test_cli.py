@@ -85,7 +85,12 @@ def test_compare_lists_every_schedule_that_accepts(capsys):
     (["plan", "1f1b", "-m", "2"], "--pp is required"),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--f", "x"], "--f: expected a number"),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--f", "1,2,3"], "--f needs 1 value"),
-    (["simulate", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "3"], "fixes its memory cap"),
+    # v_half at pp=4 holds 3 1F1B microbatches (--mem-f's units); it takes no other cap.
+    (["simulate", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "2"], "fixes its memory cap"),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--memory-cap", "0"], "expected a positive number"),
+    (["plan", "zb_auto", "--pp", "2", "-m", "2", "--memory-cap", "inf"], "expected a positive number"),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--mem-f", "1,2,3"], "--mem-f needs 1 value"),
+    (["simulate", "1f1b", "--pp", "2", "-m", "2", "--mem-w", "2"], "mem_w"),
     (["frobnicate"], "invalid choice"),
     (["draw", "1f1b", "--pp", "2", "-m", "2"], "-o/--output"),
     (["draw", "--trace", "/nonexistent/trace.json", "-o", "x.png"], "cannot read trace"),
@@ -96,7 +101,7 @@ def test_compare_lists_every_schedule_that_accepts(capsys):
      "cannot write '/nonexistent/x.png': no directory '/nonexistent'"),
     (["draw", "1f1b", "--pp", "2", "-m", "2", "-o", "x.notaformat"], "cannot write 'x.notaformat'"),
     (["plan", "PipelineScheduleSingle", "--pp", "2", "-m", "2"], "is a base class, not a schedule"),
-    (["plan", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "3"], "fixes its memory cap"),
+    (["plan", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "4"], "fixes its memory cap"),
 ])
 def test_user_errors_are_one_line_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)
@@ -114,6 +119,70 @@ def test_plan_takes_a_memory_cap(capsys):
     peaks = list(zbpipe.simulate(zbpipe.compile("zb_auto", 4, 8, memory_cap=4)).peak_activations)
     assert max(peaks) <= 4 and f"peak activations per rank: {peaks}" in capped
     assert capped != free  # the cap reached the compiler
+
+
+def peak_memory_line(out):
+    return next(line for line in out.splitlines() if line.startswith("peak memory per rank: "))
+
+
+def test_simulate_takes_the_memory_model(capsys):
+    # --mem-f (per stage) and --mem-w reach the simulator: F holds mem_f, I frees mem_f - mem_w.
+    argv = ("simulate", "zb_h1", "--pp", "4", "-m", "8", "--mem-f", "2,1,1,1", "--mem-w", "0.5")
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    res = zbpipe.simulate(zbpipe.compile("zb_h1", 4, 8), mem_f=[2, 1, 1, 1], mem_w=0.5)
+    assert peak_memory_line(out) == f"peak memory per rank: {list(res.peak_memory)} (--mem-f's units)"
+    # Rank 1 holds 3 forwards, its first I frees half of one, its fourth F comes: 3.5, not 4.
+    assert list(res.peak_memory) == [8.0, 3.5, 3.0, 2.5]
+    _, whole, _ = run(capsys, *argv[:-2])  # no --mem-w: I frees nothing
+    assert peak_memory_line(whole) == "peak memory per rank: [8.0, 4.0, 4.0, 4.0] (--mem-f's units)"
+
+
+def test_memory_cap_is_in_mem_f_units_and_the_model_reaches_the_compiler(capsys):
+    # zb_auto under a cap of 6 at mem_f=2: 3 forwards; with I freeing 3/4 of each (mem_w=0.5),
+    # the same cap holds a fourth, and the bubble drops.
+    base = ("plan", "zb_auto", "--pp", "4", "-m", "8", "--mem-f", "2", "--memory-cap", "6")
+    code, capped, _ = run(capsys, *base)
+    assert code == 0
+    prog = zbpipe.compile("zb_auto", 4, 8, mem_f=2.0, memory_cap=6)
+    res = zbpipe.simulate(prog, mem_f=2.0)
+    assert max(res.peak_activations) == 3 and f"bubble rate: {res.bubble_rate:.4f}" in capped
+    assert peak_memory_line(capped) == f"peak memory per rank: {list(res.peak_memory)} (--mem-f's units)"
+    _, split, _ = run(capsys, *base, "--mem-w", "0.5")
+    freed = zbpipe.compile("zb_auto", 4, 8, mem_f=2.0, mem_w=0.5, memory_cap=6)
+    res = zbpipe.simulate(freed, mem_f=2.0, mem_w=0.5)
+    assert max(res.peak_activations) == 4 and max(res.peak_memory) <= 6
+    assert f"bubble rate: {res.bubble_rate:.4f}" in split and res.bubble_rate < 0.25 - 0.02
+    assert peak_memory_line(split) == f"peak memory per rank: {list(res.peak_memory)} (--mem-f's units)"
+    # A V schedule's mem_f is split over its two stages: v_half's cap at pp=4 is 3 1F1B
+    # microbatches of --mem-f, 6 with it per schedule stage (--raw-costs).
+    assert run(capsys, "simulate", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "3")[0] == 0
+    assert run(capsys, "simulate", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "6",
+               "--raw-costs")[0] == 0
+
+
+def test_the_paper_cell_of_docs_cli(capsys):
+    # docs/cli.md: the Zero Bubble paper's 1.5B costs and memory model (M_B = 34h + 5as,
+    # M_W = 32h, h=2304, a=24, s=1024) at cap 2p * M_B give Table 5's ZB-2p figure.
+    code, out, _ = run(capsys, "simulate", "zb_auto", "--pp", "8", "-m", "24", "--f", "18.522",
+                       "--b", "18.086", "--w", "9.337", "--comm", "0.601", "--mem-f", "201216",
+                       "--mem-w", "73728", "--memory-cap", "3219456")
+    assert code == 0 and "bubble rate: 0.0433 " in out
+
+
+def test_compare_and_draw_take_the_memory_model(tmp_path, capsys):
+    code, out, _ = run(capsys, "simulate", "--compare", "--pp", "4", "-m", "8", "--mem-w", "0.5")
+    assert code == 0 and "mem_f=[1.0] mem_w=[0.5]" in out.splitlines()[0]
+    row = next(line for line in out.splitlines() if line.startswith("zb_h1 "))
+    res = zbpipe.simulate(zbpipe.compile("zb_h1", 4, 8), mem_w=0.5)
+    assert float(row.split()[-1]) == pytest.approx(max(res.peak_memory), abs=5e-3)
+    png = tmp_path / "v.png"
+    code, out, _ = run(capsys, "draw", "zb_auto", "--pp", "4", "-m", "8", "--mem-f", "2",
+                       "--mem-w", "0.5", "--memory-cap", "6", "-o", str(png), "--size", "300x200")
+    assert code == 0 and png_size(png) == (300, 200)
+    prog = zbpipe.compile("zb_auto", 4, 8, mem_f=2.0, mem_w=0.5, memory_cap=6)
+    peaks = list(zbpipe.simulate(prog, mem_f=2.0, mem_w=0.5).peak_memory)
+    assert peak_memory_line(out) == f"peak memory per rank: {peaks} (--mem-f's units)"
 
 
 @pytest.mark.parametrize("torch_name,ours", [("ZBVZeroBubble", "zbv"), ("ScheduleInterleaved1F1B", "interleaved_1f1b"),

@@ -9,10 +9,18 @@
 #include "list_scheduler.h"
 #include "v_post_passes.h"
 #include "zbpipe/error.h"
+#include "zbpipe/refine.h"
+#include "zbpipe/span_bound.h"
 
 namespace zbpipe::detail {
 
 namespace {
+
+// Actions the refinement may time (refine.h): up to about 15 ms on a 2-CPU machine whatever
+// the size. At pp=32, m=128 v_half's search plus this stays under the 50 ms budget of issue #20;
+// 1M takes V-Half at p=8, m=24 (1.5B costs) from the reference's 0.1702 to 0.1687 (3M: 0.1671,
+// at 45 ms of its own). See docs/benchmarks.md#compile-time-of-the-searched-schedules.
+constexpr long kVRefineBudget = 1'000'000;
 
 // One rank's compute order: the block's passes at their slots, each free slot taking the oldest
 // pending W (the paper's W placement), the W left over drained at the end.
@@ -89,7 +97,14 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
       shell, a.costs, a.memory, cap, PolicyGrid::standard({std::vector<int>(a.pp, cap_units)}, true),
       seeds, {a.exhaustive_search, a.search_threads});
   best.schedule = name;
-  return best;
+  if (!a.refine) return best;
+  // The search picks by makespan; the refinement lowers the longest span (the bubble rate the
+  // papers report) without raising the makespan, within the same cap.
+  RefineOptions refine;
+  refine.objective = Objective::kSpan;
+  refine.budget = kVRefineBudget;
+  refine.target = span_lower_bound(shell, a.costs, a.memory, cap).max_span;
+  return refine_order(best, a.costs, a.memory, cap, refine);
 }
 
 }  // namespace zbpipe::detail

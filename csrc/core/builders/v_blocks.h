@@ -28,7 +28,9 @@ struct VBlock {
 // post-passes (v_post_passes.h), and returns the best of those two and what the list scheduler
 // finds under the same cap and costs (a searched program must match or beat both layouts on
 // makespan and span to be chosen; failing that, the refined layout is the bar). `cap_units`
-// counts (stage, microbatch) units; both layouts are checked to stay within it.
+// counts (stage, microbatch) units; both layouts are checked to stay within it. Unless
+// a.refine is false, the pick then goes through the refinement pass (refine.h) under the same
+// cap: never worse on makespan or longest span.
 Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
                             const std::vector<VBlock>& blocks, int cap_units);
 

@@ -25,8 +25,9 @@ struct BuildArgs {
   // simulator (no merging of points that build the same program, no bound, no scores from the
   // scheduler's timing): the reference the fast search must agree with.
   bool exhaustive_search = false;
-  // zb_auto: run the refinement pass (refine.h) on the search's pick. Off, the pick is the
-  // heuristics' alone (the figures the Zero Bubble paper publishes).
+  // zb_auto, v_half, v_min: run the refinement pass (refine.h) on the search's pick. Off, the
+  // pick is the heuristics' alone (the figures the Zero Bubble paper publishes for zb_auto, the
+  // reference implementation's for v_half and v_min).
   bool refine = true;
   // Cost-driven builders: threads that share the search grid (0 = search_thread_count's
   // default). The program does not depend on it.
