@@ -142,3 +142,28 @@ def test_a_placement_of_no_family_is_refused():
     assert placement_of([1, 3], 1, 2, 4) == "looped"
     with pytest.raises(zbpipe.ScheduleError, match=r"holds stages \[0, 2, 3\] of 6 over pp=2, which matches no"):
         placement_of([0, 2, 3], 0, 2, 6)
+
+
+def _traces(rank, pp, folder):
+    sched, stages, _ = _auto(rank, pp, "one")
+    _step(sched, stages, 0)  # the measuring step: its trace carries the memory counters
+    measuring = sched._schedules["zb_h1"]
+    path = f"{folder}/rank{rank}.json"
+    measuring.export_chrome_trace(path)
+    return path, zbpipe.profile_from_trace(measuring.trace()), sched.tuning.deltas
+
+
+def test_plan_from_saved_traces(spawn_world, tmp_path, capsys):
+    from zbpipe.cli import main
+
+    results = spawn_world(PP).run(_traces, str(tmp_path), timeout_s=120)
+    paths = ",".join(r[0] for r in results)
+    profile = zbpipe.profile_from_trace(paths)
+    for path, records, deltas in results:  # the Chrome files say what the records say
+        for s, costs in records.items():
+            for k in "fiw":
+                assert abs(profile[s][k] - costs[k]) < 1e-8, (s, k, profile[s][k], costs[k])
+            assert profile[s]["mem_f"] == deltas[s]["mem_f"] and profile[s]["mem_w"] == deltas[s]["mem_w"]
+    assert main(["plan", "zb_auto", "--pp", "2", "-m", "4", "--from-trace", paths]) == 0
+    out = capsys.readouterr().out
+    assert "simulated step:" in out and f"mem_f {profile[1]['mem_f']} B" in out and "bytes" in out, out
