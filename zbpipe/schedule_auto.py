@@ -69,6 +69,7 @@ class Tuning:
     choice: str
     predicted_s: float
     measured_step_s: float | None = None  # wall time of the first step after the switch, this rank
+    unseen_memory: list = dataclasses.field(default_factory=list)  # stages whose saved bytes were not seen
 
     def table(self) -> str:
         lines = [f"ScheduleAuto tuning at step {self.step}: comm {self.comm_s * 1e6:.1f} us, "
@@ -89,6 +90,9 @@ class Tuning:
             f", measured {self.measured_step_s * 1e3:.3f} ms (predicted/measured "
             f"{self.predicted_s / self.measured_step_s:.2f})")
         lines.append(f"choice: {self.choice}, predicted {self.predicted_s * 1e3:.3f} ms{measured}")
+        if self.unseen_memory:
+            lines.append(f"stages {self.unseen_memory}: saved tensors not seen (hooks inside the module), "
+                         "planned as 1 byte each")
         return "\n".join(lines)
 
 
@@ -251,6 +255,11 @@ class ScheduleAuto:
         mine = self._measurements(measuring)
         costs, deltas, comm = self._merge(self._gather(mine))
         model = compile_costs({s: {**costs[s], **deltas[s]} for s in costs}, self._num_stages)
+        # A stage whose saved tensors the probe cannot see (packed by hooks inside its module,
+        # memory_probe.py) measures 0 bytes: it plans as 1 byte, and the table says so.
+        unseen = [s for s, v in enumerate(model["mem_f"]) if v <= 0]
+        model["mem_f"] = [max(v, 1.0) for v in model["mem_f"]]
+        model["mem_w"] = [min(w, f) for w, f in zip(model["mem_w"], model["mem_f"])]
         sim = dict(f=model["f"], b=model["b"], w=model["w"], comm=comm, mem_f=model["mem_f"], mem_w=model["mem_w"])
         safe_peak = list(simulate(_compile(self._safe, self._pp, self._n, self._spr), **sim).peak_memory)
         budget = safe_peak if self._budget is None else [float(self._budget)] * self._pp
@@ -278,7 +287,8 @@ class ScheduleAuto:
                 f"ScheduleAuto: activation_budget {self._budget} bytes per rank is below what every "
                 f"candidate needs; the smallest need is {need:.0f} bytes ({who})")
         best = min(fitting, key=lambda c: c.predicted_s)  # min keeps the first of equals: same on every rank
-        self.tuning = Tuning(self._steps, costs, deltas, comm, budget, candidates, best.name, best.predicted_s)
+        self.tuning = Tuning(self._steps, costs, deltas, comm, budget, candidates, best.name, best.predicted_s,
+                             unseen_memory=unseen)
         self.history.append(self.tuning)
         chosen = programs[best.name]
         if chosen.to_csv_text() != self._current.program.to_csv_text():  # the same program: keep it
