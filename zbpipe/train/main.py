@@ -54,8 +54,7 @@ def _parser() -> argparse.ArgumentParser:
         formatter_class=_DefaultsHelp,
     )
     p.add_argument("--schedule", default="zbv", choices=sorted(training_schedules()) + ["auto"],
-                   help="pipeline schedule; auto: zbpipe.ScheduleAuto over one stage per rank (its "
-                        "tuning table is printed after the first step)")
+                   help="pipeline schedule")  # auto: ScheduleAuto, one stage per rank (docs/cli.md)
     p.add_argument("--lib", default="zbpipe", choices=LIBRARIES,
                    help="pipeline library: zbpipe, or torch.distributed.pipelining for comparison")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
