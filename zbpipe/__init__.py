@@ -37,7 +37,9 @@ from .schedules import (  # noqa: E402
     ScheduleZBVZeroBubble,
     get_schedule_class,
 )
+from .schedule_auto import ScheduleAuto  # noqa: E402
 from .stage import PipelineStage  # noqa: E402
+from .stage_costs import profile_from_trace  # noqa: E402
 
 __all__ = [
     "Action",
@@ -52,6 +54,7 @@ __all__ = [
     "PipelineStage",
     "Program",
     "Schedule1F1B",
+    "ScheduleAuto",
     "ScheduleDualPipeV",
     "ScheduleError",
     "ScheduleGPipe",
@@ -75,6 +78,7 @@ __all__ = [
     "lower_bound",
     "pipe_split",
     "pipeline",
+    "profile_from_trace",
     "refine",
     "schedule_names",
     "schedule_options",

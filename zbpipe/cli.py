@@ -123,11 +123,14 @@ def build_parser() -> argparse.ArgumentParser:
                              "--compare, those that take this one)")
 
     fmt = argparse.RawDescriptionHelpFormatter
-    sub.add_parser("plan", parents=[sched, memory], formatter_class=fmt, epilog=MEMORY_HELP,
-                   help="print the per-rank program as a slot grid at unit costs",
-                   description="The schedule as a grid: ranks as rows, one column per time slot "
-                               "at unit costs (F = I = W = 1, B = 2), then its bubble rate and "
-                               "peak memory per rank.")
+    plan = sub.add_parser("plan", parents=[sched, memory], formatter_class=fmt, epilog=MEMORY_HELP,
+                          help="print the per-rank program as a slot grid at unit costs",
+                          description="The schedule as a grid: ranks as rows, one column per time slot "
+                                      "at unit costs (F = I = W = 1, B = 2), then its bubble rate and "
+                                      "peak memory per rank.")
+    plan.add_argument("--from-trace", default=None, metavar="RANK0.json,RANK1.json,...",
+                      help="plan from the per-stage costs (and memory deltas, bytes) measured in "
+                           "saved Chrome traces (zbpipe.profile_from_trace); --memory-cap is then in bytes")
     sim = sub.add_parser("simulate", parents=[sched, costs, memory], formatter_class=fmt,
                          epilog=COSTS_HELP + MEMORY_HELP,
                          help="the simulator's numbers under a cost model")
@@ -255,8 +258,40 @@ def _header(prog: _C.Program) -> str:
             f"microbatches={prog.microbatches}")
 
 
+def _plan_from_trace(args, out) -> int:
+    """plan --from-trace: compile under the traced costs and deltas, report the simulated step."""
+    from .stage_costs import compile_costs, profile_from_trace
+
+    try:
+        profile = profile_from_trace(args.from_trace)
+    except (OSError, ValueError, KeyError) as e:
+        raise CliError(f"--from-trace: {e}") from None
+    num_stages = _stage_count(args.schedule, args)
+    try:
+        model = compile_costs(profile, num_stages)
+    except ValueError as e:
+        raise CliError(f"--from-trace: {e}") from None
+    kw = dict(model) if "f" in schedule_options(args.schedule) else {}
+    if args.memory_cap is not None:
+        kw["memory_cap"] = args.memory_cap
+    prog = compile_schedule(args.schedule, args.pp, args.microbatches, args.stages_per_rank, **kw)
+    res = simulate(prog, model["f"], model["b"], model["w"], 0.0,
+                   mem_f=model.get("mem_f", 1.0), mem_w=model.get("mem_w"))
+    print(_header(prog), file=out)
+    for s in range(num_stages):
+        print(f"stage {s}: F {model['f'][s] * 1e3:.3f} ms, I {model['b'][s] * 1e3:.3f} ms, "
+              f"W {model['w'][s] * 1e3:.3f} ms" + (f", mem_f {model['mem_f'][s]:.0f} B, mem_w "
+                                                  f"{model['mem_w'][s]:.0f} B" if "mem_f" in model else ""), file=out)
+    print(f"simulated step: {res.makespan * 1e3:.3f} ms; bubble rate: {res.bubble_rate:.4f}", file=out)
+    unit = "bytes" if "mem_f" in model else "(stage, microbatch) units"
+    print(f"peak memory per rank: {[round(p) for p in res.peak_memory]} {unit}", file=out)
+    return 0
+
+
 def cmd_plan(args, out) -> int:
     _check_schedule(args)
+    if args.from_trace:
+        return _plan_from_trace(args, out)
     prog = _compile(args.schedule, args, args.memory_cap)
     _, res = _simulated(prog, args)
     print(_header(prog), file=out)

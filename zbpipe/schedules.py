@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, microbatch
+from .memory_probe import MemoryProbe, chrome_memory_events
 from .programs import compile as _compile
 from .stage import PipelineStage, StepData, input_signature
 
@@ -144,6 +145,9 @@ class PipelineSchedule:
             soon as it finishes. False runs them in sequence. Only the executor's own halves
             overlap: a function registered for OVERLAP_F_B (register_custom_function) runs the
             halves itself through ctx.run, one after the other, with its own work between.
+        measure_memory: measure every training step's memory deltas per local stage
+            (memory_profile(); zbpipe/memory_probe.py). Off by default: a probing step runs a
+            saved-tensor pack hook in each forward and a call into Python after each I.
 
     A step failing on any rank (a stage error, a wrong shape, a loss error, a timeout, a bad
     batch) fails every rank of the pipeline, and of every data-parallel replica of its stages,
@@ -186,6 +190,7 @@ class PipelineSchedule:
         static_shapes: bool = False,
         stream_ordered: bool | None = None,
         overlap_f_b: bool = True,
+        measure_memory: bool = False,
         _program: _C.Program | None = None,
     ):
         if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
@@ -220,6 +225,8 @@ class PipelineSchedule:
         self._custom: dict[_C.Kind, Callable] = {}
         self._ctx: PipelineContext | None = None
         self._last: _C.Executor | None = None  # the executor of the last step (trace)
+        self._measure_memory = measure_memory
+        self._memory_profile: dict | None = None  # of the last probing step
 
     def _compiled(self, compile_options: dict | None) -> _C.Program:
         """The program of this class's schedule for the stages' layout (even layouts only)."""
@@ -416,10 +423,16 @@ class PipelineSchedule:
                 self._ctx = PipelineContext(self, executor, step, losses)
             self._last = executor
             loss_scale = 1.0 / self._n if self.scale_grads else 1.0
+            probing = train and self._measure_memory
+            if probing:
+                step.memory_probe = MemoryProbe()
+            executor.set_memory_probe(probing)
             try:
                 outputs, mb_losses = executor.run(step, first_inputs, loss_scale)
             finally:
                 self._ctx = None
+            if probing:
+                self._memory_profile = step.memory_probe.profile()
         if not any(s.is_last for s in self._stages):
             return None
         if losses is not None:
@@ -469,10 +482,39 @@ class PipelineSchedule:
         """Per-action timing of the last step (host ns; device us when timed)."""
         return self._last.trace() if self._last is not None else []
 
+    def memory_profile(self) -> dict[int, dict[str, int]]:
+        """{stage_index: {"mem_f": bytes, "mem_w": bytes}} of this rank's stages, measured by
+        the last step run with measure_memory=True: the bytes one microbatch's F saved and the
+        bytes of those still held from its I to its W (mem_w = mem_f on a stage without I).
+        zbpipe.simulate(prog, mem_f=[...], mem_w=[...]) with them predicts the rank's peak of
+        live saved bytes. RuntimeError before any such step."""
+        if self._memory_profile is None:
+            raise RuntimeError("no step has measured memory: build the schedule with measure_memory=True "
+                               "(or set sched.measure_memory = True) and run a training step")
+        return {s: dict(v) for s, v in self._memory_profile.items()}
+
+    @property
+    def measure_memory(self) -> bool:
+        return self._measure_memory
+
+    @measure_memory.setter
+    def measure_memory(self, on: bool) -> None:
+        self._measure_memory = bool(on)
+
     def export_chrome_trace(self, path: str) -> None:
+        """The last step's trace as Chrome JSON; with a memory profile, one counter event per
+        local stage ("stage S saved bytes": mem_f, mem_w)."""
         if self._last is None:
             raise RuntimeError("no step has run yet")
         self._last.export_chrome_trace(path)
+        if self._memory_profile is not None:
+            import json
+
+            with open(path) as f:
+                doc = json.load(f)
+            doc["traceEvents"].extend(chrome_memory_events(self._memory_profile, self._group.rank()))
+            with open(path, "w") as f:
+                json.dump(doc, f)
 
 
 class PipelineScheduleSingle(PipelineSchedule):

@@ -44,6 +44,8 @@ class StepData:
     # (stage, microbatch) -> the weight-gradient work its backward leaves for its W
     # (deferred_linear's queue, dw_builder's runner): the stages' scratch, lives with the step.
     weight_work: dict = dataclasses.field(default_factory=dict)
+    # A probing step's zbpipe.memory_probe.MemoryProbe (None: no measurement, no hook).
+    memory_probe: Any = None
 
     def microbatch_kwargs(self, mb: int) -> dict:
         return self.kwargs[mb] if self.kwargs else {}
@@ -202,9 +204,23 @@ class PipelineStage:
         None on every stage but the last; there [loss] when the step trains (else []), the
         detached loss (None without a loss_fn) and the detached output when kept (else None)."""
         if step.train:  # checkpointed regions made here recompute once (issue #21)
-            with recompute_once():
+            with recompute_once(), self._probing(step, mb):
                 return self._zb_forward_inner(step, mb, inputs)
         return self._zb_forward_inner(step, mb, inputs)
+
+    def _probing(self, step: StepData, mb: int):
+        """The memory probe's recording of this forward (and loss), on a probing step."""
+        if step.memory_probe is None:
+            return contextlib.nullcontext()
+        data: list[torch.Tensor] = []
+        _layout((step.args[mb] if self.is_first else None, step.microbatch_kwargs(mb),
+                 step.targets[mb] if self.is_last and step.targets is not None else None), data)
+        return step.memory_probe.recording(self.stage_index, mb, self.submod, data)
+
+    def _zb_backward_input_done(self, step: StepData, mb: int) -> None:
+        """Right after microbatch mb's I, on a probing step: what waits for W is measured."""
+        if step.memory_probe is not None:
+            step.memory_probe.backward_input_done(self.stage_index, mb)
 
     def _zb_forward_inner(self, step: StepData, mb: int, inputs: list[torch.Tensor]):
         if not step.train:

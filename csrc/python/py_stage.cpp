@@ -88,6 +88,11 @@ void PyStage::weight_work_queued(const runtime::StepData& step, int mb) {
   guarded([&] { weight_queued_(step_object(step), mb); });
 }
 
+void PyStage::backward_input_done(const runtime::StepData& step, int mb) {
+  py::gil_scoped_acquire gil;
+  guarded([&] { stage_.attr("_zb_backward_input_done")(step_object(step), mb); });
+}
+
 void PyStage::begin_gradient_sync(const std::vector<at::Tensor>& roots) {
   py::gil_scoped_acquire gil;
   guarded([&] { stage_.attr("_zb_grad_sync_begin")(roots); });

@@ -77,6 +77,7 @@ class PyStage final : public runtime::StageHandle {
   bool queues_weight_work() const override { return queues_weight_; }
   void run_weight_work(const runtime::StepData& step, int mb) override;
   void weight_work_queued(const runtime::StepData& step, int mb) override;
+  void backward_input_done(const runtime::StepData& step, int mb) override;
   bool syncs_gradients() const override { return syncs_grads_; }
   void begin_gradient_sync(const std::vector<at::Tensor>& roots) override;
   void end_gradient_sync() override;

@@ -295,6 +295,10 @@ void Executor::backward(const Entry& e, const c10::Stream* consumer) {
   }
   roots.clear();  // frees the input closure of the graph now, not at the end of the step
   if (e.handoff >= 0 || e.to_send) hand_on_input_grads(e, inputs, in_grads, consumer);
+  if (memory_probe_ && e.kind == Kind::I) {
+    inputs.clear();  // what the graph keeps of the stage inputs for W, not this frame's refs
+    st.handle->backward_input_done(*step_, e.mb);
+  }
 }
 
 void Executor::hand_on_input_grads(const Entry& e, const std::vector<at::Tensor>& inputs,

@@ -102,6 +102,9 @@ class Executor {
   int rank() const { return rank_; }
   // The bound of every wait from the next step on.
   void set_timeout(std::chrono::milliseconds t) { options_.timeout = t; }
+  // From the next step on, call StageHandle::backward_input_done after every I (off by default:
+  // a probe costs a call into the front end per I).
+  void set_memory_probe(bool on) { memory_probe_ = on; }
   // Agreed signatures of a local stage for the last step's inputs. Throws zbpipe::Error before
   // the first step or for a stage this rank does not hold.
   const StageSignatures& signatures(int stage) const;
@@ -248,6 +251,7 @@ class Executor {
   int worker_index_ = -1;                  // action index of the unit the worker runs
 
   bool ready_ = false;   // handshake done
+  bool memory_probe_ = false;  // set_memory_probe
   bool broken_ = false;  // a step failed
   std::vector<ShapeSet> shape_sets_;  // in negotiation order (equal on every rank)
   int current_set_ = -1;

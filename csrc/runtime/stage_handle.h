@@ -90,6 +90,9 @@ class StageHandle {
   // Called right after microbatch `mb`'s backward (B or I) on a stage that queues weight work,
   // before its run_weight_work: the moment torch's dw_builder builds the runner W will call.
   virtual void weight_work_queued(const StepData& /*step*/, int /*mb*/) {}
+  // Called right after microbatch `mb`'s I, only while the executor probes memory
+  // (Executor::set_memory_probe): the moment what waits for W is all the graph still holds.
+  virtual void backward_input_done(const StepData& /*step*/, int /*mb*/) {}
 
   // Data parallelism around the stage (DDP, FSDP2): read once. When true the executor calls
   // begin_gradient_sync right before the stage's last backward action of each step (its last

@@ -53,7 +53,8 @@ def _parser() -> argparse.ArgumentParser:
         "trained in one process (same seed, data and optimizer).",
         formatter_class=_DefaultsHelp,
     )
-    p.add_argument("--schedule", default="zbv", choices=sorted(training_schedules()), help="pipeline schedule")
+    p.add_argument("--schedule", default="zbv", choices=sorted(training_schedules()) + ["auto"],
+                   help="pipeline schedule")  # auto: ScheduleAuto, one stage per rank (docs/cli.md)
     p.add_argument("--lib", default="zbpipe", choices=LIBRARIES,
                    help="pipeline library: zbpipe, or torch.distributed.pipelining for comparison")
     p.add_argument("--pp", type=int, default=2, help="pipeline ranks (processes)")
@@ -104,7 +105,9 @@ def _groups(rank: int, pp: int, dp: int):
 
 
 def _topology(opts: dict[str, Any]) -> zbpipe.Program:
-    return topology(opts["schedule"], opts["pp"], opts["microbatches"], opts["stages_per_rank"])
+    """The schedule's program; for auto, its measuring schedule's (one stage per rank: zb_h1)."""
+    name = "zb_h1" if opts["schedule"] == "auto" else opts["schedule"]
+    return topology(name, opts["pp"], opts["microbatches"], opts["stages_per_rank"])
 
 
 def _stage_optimizers(opts: dict[str, Any], modules: list[nn.Module]) -> list[torch.optim.Optimizer]:
@@ -139,6 +142,7 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     sched, _ = build_pipeline(
         opts["lib"], program, modules, rank % pp, device, lm_loss,
         group=group, io_examples=lambda s: stage_io_examples(cfg, s, num_stages, mb, device), wrap=wrap,
+        schedule_cls=zbpipe.ScheduleAuto if opts["schedule"] == "auto" else None,
     )
     first, last = 0 in local, num_stages - 1 in local
     logs = last and replica == 0
@@ -159,6 +163,8 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             zbpipe.clip_grad_norm_(mine, opts["max_norm"], group=group)
         for optim in optims:
             optim.step()
+        if step == start and opts["schedule"] == "auto" and logs:
+            print(sched.tuning.table(), flush=True)
         if not last:
             continue
         loss = torch.stack([l.detach().float() for l in losses]).mean()
@@ -243,8 +249,10 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> zbpipe.Pro
         program = _topology(vars(a))
     except zbpipe.ScheduleError as e:
         p.error(str(e))
+    if a.schedule == "auto" and a.lib != "zbpipe":
+        p.error("--schedule auto needs --lib zbpipe")
     try:
-        schedule_class(a.lib, a.schedule)
+        schedule_class(a.lib, "zb_h1" if a.schedule == "auto" else a.schedule)
     except ValueError as e:
         p.error(f"--lib {a.lib}: {e}")
     if a.batch_size % (a.microbatches * a.dp) != 0:

@@ -74,6 +74,7 @@ def build_pipeline(
     io_examples: Callable[[int], tuple[torch.Tensor, torch.Tensor]] | None = None,
     wrap: Callable[[nn.Module], nn.Module] | None = None,
     schedule_kwargs: dict[str, Any] | None = None,
+    schedule_cls: type | None = None,
 ) -> tuple[Any, list[int]]:
     """Wraps this rank's stages of `modules` (all stages, indexed by stage) and builds the
     schedule `program` was compiled for (its microbatch count, its stage placement). Returns
@@ -81,8 +82,9 @@ def build_pipeline(
     microbatch tensors for static shape declaration; `wrap(module)` wraps each local stage
     module (e.g. in DistributedDataParallel over its replica group) and `group` is the
     pipeline's process group (default: the world); `schedule_kwargs` go to the schedule class
-    (e.g. zbpipe's static_shapes=True)."""
-    cls = schedule_class(lib, program.schedule)
+    (e.g. zbpipe's static_shapes=True); `schedule_cls` replaces the program's class (e.g.
+    zbpipe.ScheduleAuto over the program's placement)."""
+    cls = schedule_cls or schedule_class(lib, program.schedule)
     mod = _library(lib)
     local = local_stages(program, rank)
     stages = []
@@ -93,6 +95,7 @@ def build_pipeline(
         module = modules[s].to(device)
         stages.append(mod.PipelineStage(wrap(module) if wrap else module, s, len(modules), device, **kwargs))
     # Single-stage schedule classes take the stage itself, multi-stage ones the list (PyTorch's API).
-    single = issubclass(zbpipe.get_schedule_class(program.schedule), zbpipe.PipelineScheduleSingle)
+    single = schedule_cls is None and issubclass(zbpipe.get_schedule_class(program.schedule),
+                                                 zbpipe.PipelineScheduleSingle)
     arg = stages[0] if single else stages
     return cls(arg, program.microbatches, loss_fn=loss_fn, **(schedule_kwargs or {})), local

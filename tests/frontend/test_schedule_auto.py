@@ -1,0 +1,169 @@
+"""ScheduleAuto (zbpipe/schedule_auto.py) at pp=2 over Gloo: gradients exact across the switch
+from the measuring step to the chosen program (steps 1-4 against one process) for the three
+placements, every rank on the same program, the budget deciding the choice, the tuning's
+fields and table, and its errors (a budget nothing fits, a placement of no family, ranks whose
+measurements disagree)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from helpers.asserts import assert_close
+from helpers.model_registry import build, call_chain, data
+
+import zbpipe
+from zbpipe.schedule_auto import FAMILIES, placement_of
+
+PP, M, STEPS = 2, 4, 4
+LAYOUTS = {"one": [0, 1], "v": [0, 1, 1, 0], "looped": [0, 1, 0, 1]}  # stage -> rank
+
+
+def _auto(rank, pp, placement, **kwargs):
+    stage_to_rank = LAYOUTS[placement]
+    mods = build("mlp", len(stage_to_rank))
+    stages = [zbpipe.PipelineStage(mods[s], s, len(stage_to_rank), "cpu")
+              for s, r in enumerate(stage_to_rank) if r == rank]
+    return zbpipe.ScheduleAuto(stages, M, loss_fn=F.mse_loss, timeout=60, **kwargs), stages, mods
+
+
+def _step(sched, stages, k):
+    x, y = data("mlp", 2 * M, seed=k + 1)
+    first, last = any(s.is_first for s in stages), any(s.is_last for s in stages)
+    return sched.step(*((x,) if first else ()), target=y if last else None)
+
+
+def _train(rank, pp, placement):
+    sched, stages, _ = _auto(rank, pp, placement)
+    programs = []
+    for k in range(STEPS):
+        programs.append(sched.program.to_csv_text())  # the program step k runs
+        _step(sched, stages, k)
+    grads = {(s.stage_index, n): p.grad.clone() for s in stages for n, p in s.submod.named_parameters()}
+    t = sched.tuning
+    return dict(grads=grads, programs=programs, choice=sched.choice, table=t.table(), costs=t.costs,
+                deltas=t.deltas, candidates=[(c.name, c.predicted_s, c.peak_bytes, c.fits) for c in t.candidates],
+                measured=t.measured_step_s, predicted=t.predicted_s, safe=FAMILIES[sched.placement][0])
+
+
+@pytest.mark.parametrize("placement", sorted(LAYOUTS))
+def test_exact_gradients_and_one_program_across_the_switch(spawn_world, placement):
+    results = spawn_world(PP).run(_train, placement, timeout_s=240)
+    mods = build("mlp", len(LAYOUTS[placement]))
+    for k in range(STEPS):
+        x, y = data("mlp", 2 * M, seed=k + 1)
+        F.mse_loss(call_chain(mods, x), y).backward()
+    for res in results:
+        for (stage, name), g in res["grads"].items():
+            assert_close(g, dict(mods[stage].named_parameters())[name].grad, msg=f"{placement} {stage}.{name}")
+    assert results[0]["programs"] == results[1]["programs"], "the ranks ran different programs"
+    assert results[0]["choice"] == results[1]["choice"]
+    safe = zbpipe.compile(results[0]["safe"], PP, M, len(LAYOUTS[placement]) // PP).to_csv_text()
+    chosen = results[0]["programs"][1]
+    assert results[0]["programs"][0] == safe and results[0]["programs"][1:] == [chosen] * (STEPS - 1)
+    # The tuning's fields: costs and deltas of every stage, every candidate of the family.
+    res = results[0]
+    assert sorted(res["costs"]) == list(range(len(LAYOUTS[placement])))
+    assert all(c["f"] > 0 and c["i"] > 0 and c["w"] > 0 for c in res["costs"].values()), res["costs"]
+    assert all(d["mem_f"] > 0 and 0 < d["mem_w"] <= d["mem_f"] for d in res["deltas"].values()), res["deltas"]
+    names = [c[0] for c in res["candidates"]]
+    assert names == list(FAMILIES[placement][1])
+    assert res["measured"] is not None and res["measured"] > 0 and res["predicted"] > 0
+    for name in names:
+        assert name in res["table"]
+    assert f"choice: {res['choice']}" in res["table"] and "<- chosen" in res["table"], res["table"]
+
+
+def _budgets(rank, pp):
+    """One stage per rank: the free choice (budget None: what zb_h1 held) and the choice under
+    a budget of 0.7x zb_h1's peak, which only zb_auto, planned under it, can meet."""
+    sched, stages, _ = _auto(rank, pp, "one")
+    _step(sched, stages, 0)
+    free = {c.name: c for c in sched.tuning.candidates}
+    tight = 0.7 * max(free["zb_h1"].peak_bytes)
+    tight_sched, tight_stages, _ = _auto(rank, pp, "one", activation_budget=tight)
+    _step(tight_sched, tight_stages, 0)
+    cands = {c.name: c for c in tight_sched.tuning.candidates}
+    return dict(tight=tight, choice=tight_sched.choice, peak=max(cands[tight_sched.choice].peak_bytes),
+                fits={n: c.fits for n, c in cands.items()}, safe_peaks=free["zb_h1"].peak_bytes,
+                free_peaks=free[sched.choice].peak_bytes, table=tight_sched.tuning.table())
+
+
+def test_the_budget_decides_the_candidate(spawn_world):
+    a, b = spawn_world(PP).run(_budgets, timeout_s=240)
+    assert a["choice"] == b["choice"]
+    assert not a["fits"]["zb_h1"] and a["choice"] in ("zb_auto", "1f1b"), a
+    assert a["peak"] <= a["tight"], a
+    assert all(p <= s for p, s in zip(a["free_peaks"], a["safe_peaks"])), a  # None: what zb_h1 held
+
+
+def _too_small(rank, pp):
+    sched, stages, _ = _auto(rank, pp, "one", activation_budget=1)
+    try:
+        _step(sched, stages, 0)
+    except zbpipe.ScheduleError as e:
+        return str(e)
+    return "no error"
+
+
+def _need(rank, pp):
+    sched, stages, _ = _auto(rank, pp, "one")
+    _step(sched, stages, 0)
+    return min(max(c.peak_bytes) for c in sched.tuning.candidates if c.peak_bytes)
+
+
+def test_a_budget_nothing_fits_names_the_smallest_need(spawn_world):
+    need = spawn_world(PP).run(_need, timeout_s=120)[0]
+    for msg in spawn_world(PP).run(_too_small, timeout_s=120):
+        assert "below what every candidate needs" in msg and f"smallest need is {need:.0f} bytes" in msg, msg
+
+
+def _disagree(rank, pp):
+    sched, stages, _ = _auto(rank, pp, "one")
+    if rank == 1:
+        real = sched._measurements
+        sched._measurements = lambda m: {**real(m), "num_stages": 3}
+    try:
+        _step(sched, stages, 0)
+    except zbpipe.ScheduleError as e:
+        return str(e)
+    return "no error"
+
+
+def test_measurements_that_disagree_fail_every_rank(spawn_world):
+    for msg in spawn_world(PP).run(_disagree, timeout_s=120):
+        assert "rank 1 measured num_stages=3" in msg, msg
+
+
+def test_a_placement_of_no_family_is_refused():
+    assert placement_of([1], 1, 2, 2) == "one"
+    assert placement_of([1, 2], 1, 2, 4) == "v"
+    assert placement_of([1, 3], 1, 2, 4) == "looped"
+    with pytest.raises(zbpipe.ScheduleError, match=r"holds stages \[0, 2, 3\] of 6 over pp=2, which matches no"):
+        placement_of([0, 2, 3], 0, 2, 6)
+
+
+def _traces(rank, pp, folder):
+    sched, stages, _ = _auto(rank, pp, "one")
+    _step(sched, stages, 0)  # the measuring step: its trace carries the memory counters
+    measuring = sched._schedules["zb_h1"]
+    path = f"{folder}/rank{rank}.json"
+    measuring.export_chrome_trace(path)
+    return path, zbpipe.profile_from_trace(measuring.trace()), sched.tuning.deltas
+
+
+def test_plan_from_saved_traces(spawn_world, tmp_path, capsys):
+    from zbpipe.cli import main
+
+    results = spawn_world(PP).run(_traces, str(tmp_path), timeout_s=120)
+    paths = ",".join(r[0] for r in results)
+    profile = zbpipe.profile_from_trace(paths)
+    for path, records, deltas in results:  # the Chrome files say what the records say
+        for s, costs in records.items():
+            for k in "fiw":
+                assert abs(profile[s][k] - costs[k]) < 1e-8, (s, k, profile[s][k], costs[k])
+            assert profile[s]["mem_f"] == deltas[s]["mem_f"] and profile[s]["mem_w"] == deltas[s]["mem_w"]
+    assert main(["plan", "zb_auto", "--pp", "2", "-m", "4", "--from-trace", paths]) == 0
+    out = capsys.readouterr().out
+    assert "simulated step:" in out and f"mem_f {profile[1]['mem_f']} B" in out and "bytes" in out, out

@@ -1,0 +1,295 @@
+"""ScheduleAuto: measure, plan, switch. The first step runs the placement's safe default (a
+split schedule at 1F1B's memory: zb_h1, zbv or interleaved_zb) for real, measuring per local
+stage the F/I/W host times (its trace), mem_f/mem_w (its memory probe) and the P2P latency of a
+boundary-sized message; the ranks gather the measurements over the pipeline group, so every
+rank simulates every candidate of the placement from identical inputs and picks the same one:
+the least simulated makespan among those whose simulated peak memory fits the budget. It runs
+from the second step on. `sched.tuning` says what happened.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from . import _C
+from .programs import compile as _compile
+from .programs import simulate
+from .schedules import PipelineSchedule, _rank_stages
+from .stage_costs import compile_costs, profile_from_trace
+
+# placement -> (safe default, candidates). Cost-driven candidates plan with the measurements.
+FAMILIES = {
+    "one": ("zb_h1", ("zb_h1", "1f1b", "zb_h2", "zb_auto")),
+    "v": ("zbv", ("zbv", "v_half", "v_min", "dualpipev")),
+    "looped": ("interleaved_zb", ("interleaved_zb", "interleaved_1f1b", "looped_bfs")),
+}
+_COST_DRIVEN = ("zb_auto", "v_half", "v_min")
+
+
+def placement_of(stage_indices: list[int], rank: int, pp: int, num_stages: int) -> str:
+    """'one', 'v' or 'looped' for this rank's stages; ScheduleError for any other layout."""
+    mine = sorted(stage_indices)
+    if num_stages == pp and mine == [rank]:
+        return "one"
+    if num_stages == 2 * pp and mine == sorted({rank, 2 * pp - 1 - rank}):
+        return "v"
+    if num_stages % pp == 0 and num_stages > pp and mine == list(range(rank, num_stages, pp)):
+        return "looped"
+    raise _C.ScheduleError(
+        f"ScheduleAuto: rank {rank} holds stages {mine} of {num_stages} over pp={pp}, which matches no "
+        "placement family (one stage per rank: [rank]; V: [rank, 2pp-1-rank]; looped: rank, rank+pp, ...)")
+
+
+@dataclasses.dataclass
+class Candidate:
+    name: str
+    predicted_s: float | None  # simulated makespan under the measured costs (None: not buildable)
+    peak_bytes: list[float]    # simulated peak_memory per rank
+    fits: bool
+    note: str = ""
+
+
+@dataclasses.dataclass
+class Tuning:
+    """What one tuning did: per stage the measured costs (seconds) and memory deltas (bytes),
+    the P2P latency, the budget (bytes per rank), every candidate's prediction, the choice,
+    and after the switch the measured step time next to the prediction."""
+    step: int
+    costs: dict          # {stage: {"f", "i", "w", "b"}} seconds
+    deltas: dict         # {stage: {"mem_f", "mem_w"}} bytes
+    comm_s: float
+    budget: list[float]  # bytes per rank
+    candidates: list[Candidate]
+    choice: str
+    predicted_s: float
+    measured_step_s: float | None = None  # wall time of the first step after the switch, this rank
+    unseen_memory: list = dataclasses.field(default_factory=list)  # stages whose saved bytes were not seen
+
+    def table(self) -> str:
+        lines = [f"ScheduleAuto tuning at step {self.step}: comm {self.comm_s * 1e6:.1f} us, "
+                 f"budget {max(self.budget):.0f} bytes/rank"]
+        lines.append(f"{'stage':>5} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'mem_f B':>10} {'mem_w B':>10}")
+        for s in sorted(self.costs):
+            c, d = self.costs[s], self.deltas.get(s, {})
+            fmt = lambda v: f"{v * 1e3:8.3f}" if v is not None else f"{'-':>8}"  # noqa: E731
+            lines.append(f"{s:>5} {fmt(c['f'])} {fmt(c['i'])} {fmt(c['w'])} "
+                         f"{d.get('mem_f', 0):>10.0f} {d.get('mem_w', 0):>10.0f}")
+        lines.append(f"{'candidate':<17} {'predicted ms':>12} {'peak B':>10} fits")
+        for c in self.candidates:
+            pred = f"{c.predicted_s * 1e3:12.3f}" if c.predicted_s is not None else f"{'-':>12}"
+            peak = f"{max(c.peak_bytes):10.0f}" if c.peak_bytes else f"{'-':>10}"
+            mark = " <- chosen" if c.name == self.choice else ""
+            lines.append(f"{c.name:<17} {pred} {peak} {'yes' if c.fits else 'no '}{mark}{c.note}")
+        measured = "" if self.measured_step_s is None else (
+            f", measured {self.measured_step_s * 1e3:.3f} ms (predicted/measured "
+            f"{self.predicted_s / self.measured_step_s:.2f})")
+        lines.append(f"choice: {self.choice}, predicted {self.predicted_s * 1e3:.3f} ms{measured}")
+        if self.unseen_memory:
+            lines.append(f"stages {self.unseen_memory}: saved tensors not seen (hooks inside the module), "
+                         "planned as 1 byte each")
+        return "\n".join(lines)
+
+
+class ScheduleAuto:
+    """A schedule that tunes itself to the model: swap it in for any schedule class.
+
+    Args:
+        stages, n_microbatches, loss_fn: as for every schedule class.
+        activation_budget: bytes of saved activations per rank a candidate's simulated peak
+            may reach; None: what the safe default's simulated peak is on each rank.
+        retune_every: measure and choose again every N steps (None: once, at the first step).
+            A re-tune step runs the current program when it splits I and W on every stage,
+            else the safe default.
+        **kwargs: the schedule classes' keywords (timeout, overlap_f_b, ...).
+
+    The pipeline group must be one torch.distributed knows (all_gather_object runs over it).
+    Raises zbpipe.ScheduleError for stages matching no placement family, for a budget below
+    every candidate's need (naming the smallest need in bytes), and when the ranks'
+    measurements disagree (stage counts, microbatches, or a stage measured twice or never).
+    """
+
+    def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None, *,
+                 activation_budget: float | None = None, retune_every: int | None = None, **kwargs):
+        if loss_fn is None:
+            raise ValueError("ScheduleAuto tunes a training step: give a loss_fn")
+        if retune_every is not None and retune_every < 1:
+            raise ValueError(f"retune_every must be >= 1 or None, got {retune_every}")
+        self._stages = _rank_stages(stages)
+        first = self._stages[0]
+        self._group, self._pp, self._rank = first.group, first.group_size, first.group_rank
+        self._num_stages = first.num_stages
+        self._n, self._loss_fn, self._kwargs = n_microbatches, loss_fn, kwargs
+        self._budget, self._retune = activation_budget, retune_every
+        self.placement = placement_of([s.stage_index for s in self._stages], self._rank, self._pp, self._num_stages)
+        self._spr = self._num_stages // self._pp
+        self._mine = [s.stage_index for s in self._stages]
+        self._safe, self._names = FAMILIES[self.placement]
+        self._schedules: dict[str, PipelineSchedule] = {}
+        self._current = self._schedule_for(self._safe, _compile(self._safe, self._pp, n_microbatches, self._spr))
+        self._steps = 0
+        self.tuning: Tuning | None = None
+        self.history: list[Tuning] = []
+
+    # ---- the step ---------------------------------------------------------------------------
+
+    @property
+    def program(self) -> _C.Program:
+        return self._current.program
+
+    @property
+    def choice(self) -> str:
+        return self._current.program.schedule
+
+    def step(self, *args, **kwargs):
+        """One training step (zbpipe.PipelineSchedule.step's semantics). A tuning step runs
+        the measuring schedule, gathers the measurements and switches for the next step."""
+        tuning = self._steps == 0 or (self._retune is not None and self._steps % self._retune == 0)
+        self._steps += 1
+        if not tuning:
+            start = time.perf_counter()
+            out = self._current.step(*args, **kwargs)
+            if self.tuning is not None and self.tuning.measured_step_s is None:
+                self.tuning.measured_step_s = time.perf_counter() - start
+            return out
+        measuring = self._current if self._splits(self._current.program) else self._schedules[self._safe]
+        measuring.measure_memory = True
+        try:
+            out = measuring.step(*args, **kwargs)
+        finally:
+            measuring.measure_memory = False
+        self._tune(measuring)
+        return out
+
+    def eval(self, *args, **kwargs):
+        return self._current.eval(*args, **kwargs)
+
+    def trace(self) -> list[dict]:
+        return self._current.trace()
+
+    def export_chrome_trace(self, path: str) -> None:
+        self._current.export_chrome_trace(path)
+
+    def memory_profile(self) -> dict:
+        """This rank's memory deltas measured at the last tuning step (memory_profile())."""
+        if self.tuning is None:
+            raise RuntimeError("ScheduleAuto has not measured yet: run a step")
+        return {s: dict(self.tuning.deltas[s]) for s in self._mine}
+
+    # ---- measure, gather, plan --------------------------------------------------------------
+
+    def _schedule_for(self, name: str, program: _C.Program) -> PipelineSchedule:
+        key = name if name not in _COST_DRIVEN else None
+        if key is not None and key in self._schedules:
+            return self._schedules[key]
+        sched = PipelineSchedule.from_program(self._stages, program, self._loss_fn, **self._kwargs)
+        if key is not None:
+            self._schedules[key] = sched
+        return sched
+
+    def _splits(self, program: _C.Program) -> bool:
+        kinds = {a.kind for a in program.action_values(self._rank) if a.is_compute}
+        return _C.Kind.B not in kinds and _C.Kind.I in kinds
+
+    def _measurements(self, measuring: PipelineSchedule) -> dict:
+        costs = profile_from_trace(measuring.trace())
+        return dict(rank=self._rank, num_stages=self._num_stages, microbatches=self._n,
+                    costs=costs, deltas=measuring.memory_profile(), comm_s=self._p2p_latency(measuring))
+
+    def _p2p_latency(self, measuring: PipelineSchedule) -> float:
+        """Median one-way time of a boundary-sized message around the ring of the group."""
+        ex = measuring._last
+        nbytes = 0
+        for s in self._stages:
+            if not s.is_last:
+                specs = ex.signatures(s.stage_index)[1][0]
+                nbytes = max(nbytes, sum(
+                    torch.empty(0, dtype=d).element_size() * int(torch.Size(shape).numel()) for shape, d in specs))
+        sizes = [None] * self._pp
+        dist.all_gather_object(sizes, nbytes, group=self._group)
+        if self._pp < 2:
+            return 0.0
+        buf_out = torch.zeros(max(sizes) // 4 + 1, device=self._stages[0].device)
+        buf_in = torch.empty_like(buf_out)
+        nxt, prv = (self._rank + 1) % self._pp, (self._rank - 1) % self._pp
+        took = []
+        for _ in range(5):
+            dist.barrier(group=self._group)
+            start = time.perf_counter()
+            works = [self._group.recv([buf_in], prv, 77), self._group.send([buf_out], nxt, 77)]
+            for w in works:
+                w.wait()
+            took.append(time.perf_counter() - start)
+        return statistics.median(took)
+
+    def _gather(self, mine: dict) -> list[dict]:
+        every = [None] * self._pp
+        dist.all_gather_object(every, mine, group=self._group)
+        return every
+
+    def _merge(self, every: list[dict]) -> tuple[dict, dict, float]:
+        """The pipeline's costs and deltas per stage; ScheduleError where ranks disagree."""
+        costs, deltas = {}, {}
+        for m in every:
+            if m["num_stages"] != self._num_stages or m["microbatches"] != self._n:
+                raise _C.ScheduleError(
+                    f"ScheduleAuto: rank {m['rank']} measured num_stages={m['num_stages']}, "
+                    f"microbatches={m['microbatches']}; rank {self._rank} has {self._num_stages}, {self._n}")
+            for s in set(m["costs"]) | set(m["deltas"]):
+                if s in costs:
+                    raise _C.ScheduleError(f"ScheduleAuto: stage {s} was measured by two ranks")
+                if s not in m["costs"] or s not in m["deltas"]:
+                    raise _C.ScheduleError(f"ScheduleAuto: rank {m['rank']} measured stage {s} only in part")
+                costs[s], deltas[s] = m["costs"][s], m["deltas"][s]
+        if sorted(costs) != list(range(self._num_stages)):
+            raise _C.ScheduleError(
+                f"ScheduleAuto: the ranks measured stages {sorted(costs)}, want 0..{self._num_stages - 1}")
+        return costs, deltas, max(m["comm_s"] for m in every)
+
+    def _tune(self, measuring: PipelineSchedule) -> None:
+        mine = self._measurements(measuring)
+        costs, deltas, comm = self._merge(self._gather(mine))
+        model = compile_costs({s: {**costs[s], **deltas[s]} for s in costs}, self._num_stages)
+        # A stage whose saved tensors the probe cannot see (packed by hooks inside its module,
+        # memory_probe.py) measures 0 bytes: it plans as 1 byte, and the table says so.
+        unseen = [s for s, v in enumerate(model["mem_f"]) if v <= 0]
+        model["mem_f"] = [max(v, 1.0) for v in model["mem_f"]]
+        model["mem_w"] = [min(w, f) for w, f in zip(model["mem_w"], model["mem_f"])]
+        sim = dict(f=model["f"], b=model["b"], w=model["w"], comm=comm, mem_f=model["mem_f"], mem_w=model["mem_w"])
+        safe_peak = list(simulate(_compile(self._safe, self._pp, self._n, self._spr), **sim).peak_memory)
+        budget = safe_peak if self._budget is None else [float(self._budget)] * self._pp
+        candidates, programs = [], {}
+        for name in self._names:
+            try:
+                # zb_auto plans under the budget; v_half and v_min fix their own cap
+                opts = dict(sim) if name in _COST_DRIVEN else {}
+                if name == "zb_auto":
+                    opts["memory_cap"] = min(budget)
+                prog = _compile(name, self._pp, self._n, self._spr, **opts)
+            except (_C.ScheduleError, ValueError) as e:
+                candidates.append(Candidate(name, None, [], False, f" ({str(e).splitlines()[0][:60]})"))
+                continue
+            res = simulate(prog, **sim)
+            peak = list(res.peak_memory)
+            fits = all(p <= b * (1 + 1e-9) for p, b in zip(peak, budget))
+            candidates.append(Candidate(name, res.makespan, peak, fits))
+            programs[name] = prog
+        fitting = [c for c in candidates if c.fits]
+        if not fitting:
+            needs = [(max(c.peak_bytes), c.name) for c in candidates if c.peak_bytes]
+            need, who = min(needs)
+            raise _C.ScheduleError(
+                f"ScheduleAuto: activation_budget {self._budget} bytes per rank is below what every "
+                f"candidate needs; the smallest need is {need:.0f} bytes ({who})")
+        best = min(fitting, key=lambda c: c.predicted_s)  # min keeps the first of equals: same on every rank
+        self.tuning = Tuning(self._steps, costs, deltas, comm, budget, candidates, best.name, best.predicted_s,
+                             unseen_memory=unseen)
+        self.history.append(self.tuning)
+        chosen = programs[best.name]
+        if chosen.to_csv_text() != self._current.program.to_csv_text():  # the same program: keep it
+            self._current = self._schedule_for(best.name, chosen)

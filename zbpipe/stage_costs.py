@@ -1,0 +1,97 @@
+"""Per-stage costs read from a step's trace: the F, I, W (and B) host times of every compute
+action, and the memory counters a probing step adds (zbpipe/memory_probe.py), in the form
+zbpipe.simulate / zbpipe.compile take them.
+
+    costs = zbpipe.profile_from_trace(["rank0.json", "rank1.json"])   # Chrome traces
+    costs = zbpipe.profile_from_trace(sched.trace())                  # records of one rank
+    zbpipe.compile("zb_auto", pp, m, **zbpipe.stage_costs.compile_costs(costs, num_stages))
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+from typing import Iterable
+
+_COMPUTE = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_MEMORY = re.compile(r"^stage (\d+) saved bytes$")
+
+
+def _records_of(source) -> list[dict]:
+    """Records as sched.trace() gives them, from such a list or a Chrome trace file's host lane."""
+    if isinstance(source, dict):
+        return [source]
+    if not isinstance(source, str):
+        return list(source)
+    with open(source) as f:
+        events = json.load(f)["traceEvents"]
+    out = []
+    for e in events:
+        if e.get("ph") == "C":
+            out.append({"memory": e["name"], "args": e["args"]})
+        elif e.get("ph") == "X" and e.get("tid") == 0:
+            start = int(round(e["ts"] * 1000))
+            out.append({"action": e["name"], "host_start_ns": start,
+                        "host_end_ns": start + int(round(e["dur"] * 1000)),
+                        "wait_ns": int(round(e["args"].get("wait_us", 0.0) * 1000))})
+    return out
+
+
+def profile_from_trace(records_or_paths) -> dict[int, dict[str, float]]:
+    """{stage: {"f", "i", "w", "b": seconds (median per action kind; None where the trace has
+    no such action), "mem_f", "mem_w": bytes (only where a probing step's counters are in the
+    trace)}} from sched.trace() records, a list of them (one per rank), or Chrome trace paths
+    (a list, or one comma-separated string). A compute action's time is its host time less the
+    time it waited for a receive. Raises ValueError when no compute action is found."""
+    if isinstance(records_or_paths, str):
+        records_or_paths = [p for p in records_or_paths.split(",") if p]
+    sources: Iterable = records_or_paths
+    if records_or_paths and isinstance(records_or_paths[0], dict):
+        sources = [records_or_paths]
+    times: dict[int, dict[str, list[float]]] = {}
+    memory: dict[int, dict[str, int]] = {}
+    for source in sources:
+        for r in _records_of(source):
+            if "memory" in r:
+                m = _MEMORY.match(r["memory"])
+                if m:
+                    memory[int(m.group(1))] = {k: int(v) for k, v in r["args"].items()}
+                continue
+            m = _COMPUTE.match(r["action"])
+            if m:
+                took = (r["host_end_ns"] - r["host_start_ns"] - r.get("wait_ns", 0)) / 1e9
+                times.setdefault(int(m.group(1)), {}).setdefault(m.group(2).lower(), []).append(max(took, 0.0))
+    if not times:
+        raise ValueError("profile_from_trace: no compute action (F, B, I, W) in the trace")
+    out: dict[int, dict[str, float]] = {}
+    for stage in sorted(times):
+        kinds = times[stage]
+        out[stage] = {k: (statistics.median(kinds[k]) if k in kinds else None) for k in "fiwb"}
+        out[stage].update(memory.get(stage, {}))
+    return out
+
+
+def compile_costs(profile: dict[int, dict], num_stages: int) -> dict:
+    """The profile as per-stage lists: f, b (I), w for simulate/compile, and mem_f, mem_w where
+    every stage has them. A stage measured with a full B only has it split evenly between I and
+    W. Raises ValueError for a stage the profile lacks."""
+    missing = [s for s in range(num_stages) if s not in profile or profile[s]["f"] is None]
+    if missing:
+        raise ValueError(f"the profile has no forward time for stage(s) {missing} of {num_stages}")
+    f, b, w = [], [], []
+    for s in range(num_stages):
+        p = profile[s]
+        f.append(p["f"])
+        if p["i"] is not None and p["w"] is not None:
+            b.append(p["i"])
+            w.append(p["w"])
+        else:
+            full = p["b"] if p["b"] is not None else 2 * p["f"]
+            b.append(full / 2)
+            w.append(full / 2)
+    out = dict(f=f, b=b, w=w)
+    if all("mem_f" in profile[s] for s in range(num_stages)):
+        out["mem_f"] = [float(profile[s]["mem_f"]) for s in range(num_stages)]
+        out["mem_w"] = [float(profile[s]["mem_w"]) for s in range(num_stages)]
+    return out
