@@ -251,6 +251,26 @@ class ScheduleAuto:
                 f"ScheduleAuto: the ranks measured stages {sorted(costs)}, want 0..{self._num_stages - 1}")
         return costs, deltas, max(m["comm_s"] for m in every)
 
+    def _zb_auto(self, opts: dict, budget: list[float], sim: dict) -> _C.Program:
+        """zb_auto under the budget. Its cap is one number for every rank while the budget may
+        differ per rank (None: the safe default's peak of each rank, unequal when the stages'
+        memory is): the largest cap first, whose program fits when no rank plans above its own
+        budget, then the smallest, which always bounds every rank. The first that fits, else
+        the last (the caller marks it as not fitting); ScheduleError when neither builds."""
+        prog, error = None, None
+        for cap in dict.fromkeys((max(budget), min(budget))):
+            try:
+                prog = _compile("zb_auto", self._pp, self._n, self._spr, **opts, memory_cap=cap)
+            except (_C.ScheduleError, ValueError) as e:
+                error = e
+                continue
+            peak = simulate(prog, **sim).peak_memory
+            if all(p <= b * (1 + 1e-9) for p, b in zip(peak, budget)):
+                return prog
+        if prog is None:
+            raise error
+        return prog
+
     def _tune(self, measuring: PipelineSchedule) -> None:
         mine = self._measurements(measuring)
         costs, deltas, comm = self._merge(self._gather(mine))
@@ -269,8 +289,9 @@ class ScheduleAuto:
                 # zb_auto plans under the budget; v_half and v_min fix their own cap
                 opts = dict(sim) if name in _COST_DRIVEN else {}
                 if name == "zb_auto":
-                    opts["memory_cap"] = min(budget)
-                prog = _compile(name, self._pp, self._n, self._spr, **opts)
+                    prog = self._zb_auto(opts, budget, sim)
+                else:
+                    prog = _compile(name, self._pp, self._n, self._spr, **opts)
             except (_C.ScheduleError, ValueError) as e:
                 candidates.append(Candidate(name, None, [], False, f" ({str(e).splitlines()[0][:60]})"))
                 continue
