@@ -254,22 +254,15 @@ class ScheduleAuto:
     def _zb_auto(self, opts: dict, budget: list[float], sim: dict) -> _C.Program:
         """zb_auto under the budget. Its cap is one number for every rank while the budget may
         differ per rank (None: the safe default's peak of each rank, unequal when the stages'
-        memory is): the largest cap first, whose program fits when no rank plans above its own
-        budget, then the smallest, which always bounds every rank. The first that fits, else
-        the last (the caller marks it as not fitting); ScheduleError when neither builds."""
-        prog, error = None, None
-        for cap in dict.fromkeys((max(budget), min(budget))):
-            try:
-                prog = _compile("zb_auto", self._pp, self._n, self._spr, **opts, memory_cap=cap)
-            except (_C.ScheduleError, ValueError) as e:
-                error = e
-                continue
-            peak = simulate(prog, **sim).peak_memory
-            if all(p <= b * (1 + 1e-9) for p, b in zip(peak, budget)):
-                return prog
-        if prog is None:
-            raise error
-        return prog
+        memory is). One stage per rank (zb_auto's placement), so each stage's memory is scaled
+        by cap / its rank's budget: "scaled memory <= cap" is then "memory <= the rank's own
+        budget", and memory steers only the cap, never the times."""
+        cap = max(budget)
+        scale = [cap / b if b > 0 else 1.0 for b in budget]
+        scaled = dict(opts)
+        scaled["mem_f"] = [m * scale[s] for s, m in enumerate(opts["mem_f"])]
+        scaled["mem_w"] = [m * scale[s] for s, m in enumerate(opts["mem_w"])]
+        return _compile("zb_auto", self._pp, self._n, self._spr, **scaled, memory_cap=cap)
 
     def _tune(self, measuring: PipelineSchedule) -> None:
         mine = self._measurements(measuring)

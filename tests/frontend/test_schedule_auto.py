@@ -167,3 +167,29 @@ def test_plan_from_saved_traces(spawn_world, tmp_path, capsys):
     assert main(["plan", "zb_auto", "--pp", "2", "-m", "4", "--from-trace", paths]) == 0
     out = capsys.readouterr().out
     assert "simulated step:" in out and f"mem_f {profile[1]['mem_f']} B" in out and "bytes" in out, out
+
+
+def _unequal(rank, pp):
+    """One stage per rank, the last saving about 30x the first's bytes per microbatch: the
+    safe default's peak (the budget when none is given) differs per rank."""
+    torch.manual_seed(0)
+    width = data("mlp", 1)[0].shape[-1]
+    mods = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()),
+            torch.nn.Sequential(torch.nn.Linear(width, 512), torch.nn.Tanh(), torch.nn.Linear(512, width))]
+    sched = zbpipe.ScheduleAuto(zbpipe.PipelineStage(mods[rank], rank, PP, "cpu"), M, loss_fn=F.mse_loss, timeout=60)
+    x, y = data("mlp", 2 * M, seed=1)
+    sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+    t = sched.tuning
+    return t.budget, {c.name: (c.predicted_s, c.fits) for c in t.candidates}
+
+
+def test_zb_auto_plans_under_unequal_per_rank_budgets(spawn_world):
+    # zb_auto takes one cap for every rank: under the safe default's per-rank peaks it must be
+    # built under a cap the heavy rank can hold (the smallest budget alone holds no microbatch
+    # of the heavy stage) and still fit every rank's own budget.
+    results = spawn_world(PP).run(_unequal, timeout_s=120)
+    budget, candidates = results[0]
+    assert budget[1] > 4 * budget[0], budget
+    predicted, fits = candidates["zb_auto"]
+    assert predicted is not None and fits, candidates
+    assert results[1][1]["zb_auto"] == candidates["zb_auto"]
