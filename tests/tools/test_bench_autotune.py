@@ -1,0 +1,31 @@
+"""bench_autotune runs end to end on one placement: every fixed candidate and ScheduleAuto get a
+measured step, the ratios and the tuning table are printed, and under a budget below the safe
+default's peak ScheduleAuto picks a candidate that fits. No timing is asserted."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers.subprocess_env import NEUTRAL_CWD, child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_bench_autotune_measures_every_candidate_and_fits_the_budget():
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_autotune.py"), "--placements", "one",
+         "--warmup", "0", "--reps", "1"],
+        cwd=NEUTRAL_CWD, capture_output=True, text=True, timeout=600, env=child_env(),
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out = proc.stdout
+    rows = dict(re.findall(r"^\| (zb_h1|1f1b|zb_h2|zb_auto) \| ([\d.]+) \|$", out, re.M))
+    assert sorted(rows) == ["1f1b", "zb_auto", "zb_h1", "zb_h2"], out
+    assert re.search(r"^\| auto \((zb_h1|1f1b|zb_h2|zb_auto)\) \| [\d.]+ \|$", out, re.M), out
+    assert re.search(r"auto / best fixed \(\w+\): [\d.]+ .* predicted / measured \(median\): [\d.]+", out), out
+    assert "<- chosen" in out, out
+    m = re.search(r"budget \d+ B/rank \(0.95 of \d+, zb_h1's peak\): auto picks (\w+), peak \d+ B \(fits: (\w+)\)", out)
+    assert m and m.group(1) != "zb_h1" and m.group(2) == "True", out
