@@ -10,8 +10,8 @@ classes, about three times a light stage's work. One stage per rank: stage 0 lig
 the head. V: stages 0-2 light, stage 3 the head (on rank 0, with stage 0).
 
 Every fixed candidate of the placement (ScheduleAuto's list; the cost-driven ones compiled at
-unit costs, as a user without measurements would) and ScheduleAuto (tuned at its first step,
-then running its choice) run on the same weights, alternating step by step after warm-up;
+unit costs, as a user without measurements would) and ScheduleAuto (tuned over its first two
+steps, then running its choice) run on the same weights, alternating step by step after warm-up;
 each cell is the median step time on rank 0, between barriers. Printed: each candidate's step,
 ScheduleAuto's step over the best fixed one (goal <= 1.05), its prediction over its measured
 step (goal within 10%), and its tuning table. `--budget-fraction` (default 0.95) then tunes once
@@ -88,7 +88,8 @@ def _bench(rank: int, world: int, a: dict) -> None:
                 if rank == 0:
                     print(f"# {placement}: {name} not built: {str(e).splitlines()[0][:100]}", flush=True)
         auto = zbpipe.ScheduleAuto(_stages(mods, n, mine), M, loss_fn=F.cross_entropy)
-        _timed(auto, x, y, first, last, mods)  # step 1: the safe default, measured; then the switch
+        for _ in range(2):  # the tuning: memory (step 1), times (step 2), then the switch
+            _timed(auto, x, y, first, last, mods)
         runs["auto"] = auto
         times: dict[str, list[float]] = {k: [] for k in runs}
         for _ in range(a["warmup"]):
@@ -121,7 +122,8 @@ def _bench(rank: int, world: int, a: dict) -> None:
             try:
                 tight = zbpipe.ScheduleAuto(_stages(mods, n, mine), M, loss_fn=F.cross_entropy,
                                             activation_budget=budget)
-                _timed(tight, x, y, first, last, mods)
+                for _ in range(2):
+                    _timed(tight, x, y, first, last, mods)
                 if rank == 0:
                     c = next(c for c in tight.tuning.candidates if c.name == tight.choice)
                     print(f"\nbudget {budget:.0f} B/rank ({a['budget_fraction']} of {max(ref[0]):.0f}, "

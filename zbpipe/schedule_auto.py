@@ -1,10 +1,11 @@
-"""ScheduleAuto: measure, plan, switch. The first step runs the placement's safe default (a
-split schedule at 1F1B's memory: zb_h1, zbv or interleaved_zb) for real, measuring per local
-stage the F/I/W host times (its trace), mem_f/mem_w (its memory probe) and the P2P latency of a
-boundary-sized message; the ranks gather the measurements over the pipeline group, so every
-rank simulates every candidate of the placement from identical inputs and picks the same one:
-the least simulated makespan among those whose simulated peak memory fits the budget. It runs
-from the second step on. `sched.tuning` says what happened.
+"""ScheduleAuto: measure, plan, switch. A tuning runs the placement's safe default (a split
+schedule at 1F1B's memory: zb_h1, zbv or interleaved_zb) for two real steps: the first measures
+mem_f/mem_w per local stage (its memory probe), the second the F/I/W times (its trace: device
+events on accelerators, host times on the CPU), then the P2P latency of a boundary-sized
+message. The ranks gather the measurements over the pipeline group, so every rank simulates
+every candidate of the placement from identical inputs and picks the same one: the least
+simulated makespan among those whose simulated peak memory fits the budget. It runs from the
+third step on. `sched.tuning` says what happened.
 """
 
 from __future__ import annotations
@@ -30,6 +31,25 @@ FAMILIES = {
     "looped": ("interleaved_zb", ("interleaved_zb", "interleaved_1f1b", "looped_bfs")),
 }
 _COST_DRIVEN = ("zb_auto", "v_half", "v_min")
+_MEASURED_STEPS = 5  # steps after a switch whose median is Tuning.measured_step_s
+
+
+def _shapes(args, kwargs) -> list:
+    """The shapes and dtypes of a step's tensor arguments (lists of microbatches included)."""
+    out = []
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            out.append((tuple(v.shape), v.dtype))
+        elif isinstance(v, (list, tuple)):
+            for x in v:
+                walk(x)
+        elif isinstance(v, dict):
+            for k in sorted(v, key=str):
+                walk(v[k])
+    walk(list(args))
+    walk({k: v for k, v in kwargs.items() if k != "losses"})  # an output, filled by the step
+    return out
 
 
 def placement_of(stage_indices: list[int], rank: int, pp: int, num_stages: int) -> str:
@@ -68,11 +88,12 @@ class Tuning:
     candidates: list[Candidate]
     choice: str
     predicted_s: float
-    measured_step_s: float | None = None  # wall time of the first step after the switch, this rank
+    measured_step_s: float | None = None  # median wall time of the first steps after the switch, this rank
+    clock: str = "host"  # where the costs were timed: "device" (events) or "host"
     unseen_memory: list = dataclasses.field(default_factory=list)  # stages whose saved bytes were not seen
 
     def table(self) -> str:
-        lines = [f"ScheduleAuto tuning at step {self.step}: comm {self.comm_s * 1e6:.1f} us, "
+        lines = [f"ScheduleAuto tuning at step {self.step} ({self.clock} times): comm {self.comm_s * 1e6:.1f} us, "
                  f"budget {max(self.budget):.0f} bytes/rank"]
         lines.append(f"{'stage':>5} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'mem_f B':>10} {'mem_w B':>10}")
         for s in sorted(self.costs):
@@ -103,29 +124,33 @@ class ScheduleAuto:
         stages, n_microbatches, loss_fn: as for every schedule class.
         activation_budget: bytes of saved activations per rank a candidate's simulated peak
             may reach; None: what the safe default's simulated peak is on each rank.
-        retune_every: measure and choose again every N steps (None: once, at the first step).
-            A re-tune step runs the current program when it splits I and W on every stage,
+        retune_every: tune again every N steps, N >= 2 (None: once, over steps 1 and 2). A
+            re-tune's steps run the current program when it splits I and W on every stage,
             else the safe default.
         **kwargs: the schedule classes' keywords (timeout, overlap_f_b, ...).
 
     The pipeline group must be one torch.distributed knows (all_gather_object runs over it).
     Raises zbpipe.ScheduleError for stages matching no placement family, for a budget below
-    every candidate's need (naming the smallest need in bytes), and when the ranks'
-    measurements disagree (stage counts, microbatches, or a stage measured twice or never).
+    every candidate's need (naming the smallest need in bytes), when the ranks' measurements
+    disagree (stage counts, microbatches, or a stage measured twice or never), and, before the
+    step runs, when a tuning's second step brings other shapes than its first.
     """
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None, *,
                  activation_budget: float | None = None, retune_every: int | None = None, **kwargs):
         if loss_fn is None:
             raise ValueError("ScheduleAuto tunes a training step: give a loss_fn")
-        if retune_every is not None and retune_every < 1:
-            raise ValueError(f"retune_every must be >= 1 or None, got {retune_every}")
+        if retune_every is not None and retune_every < 2:
+            raise ValueError(f"retune_every must be >= 2 (a tuning spans two steps) or None, got {retune_every}")
         self._stages = _rank_stages(stages)
         first = self._stages[0]
         self._group, self._pp, self._rank = first.group, first.group_size, first.group_rank
         self._num_stages = first.num_stages
+        # Device events time the actions on accelerators (host times on the CPU).
+        kwargs.setdefault("device_timing", first.device.type != "cpu")
         self._n, self._loss_fn, self._kwargs = n_microbatches, loss_fn, kwargs
         self._budget, self._retune = activation_budget, retune_every
+        self._clock = "device" if kwargs["device_timing"] and first.device.type != "cpu" else "host"
         self.placement = placement_of([s.stage_index for s in self._stages], self._rank, self._pp, self._num_stages)
         self._spr = self._num_stages // self._pp
         self._mine = [s.stage_index for s in self._stages]
@@ -133,6 +158,8 @@ class ScheduleAuto:
         self._schedules: dict[str, PipelineSchedule] = {}
         self._current = self._schedule_for(self._safe, _compile(self._safe, self._pp, n_microbatches, self._spr))
         self._steps = 0
+        self._pending: dict | None = None  # a tuning between its memory step and its timing step
+        self._after: list[float] = []      # step times after the last switch (measured_step_s)
         self.tuning: Tuning | None = None
         self.history: list[Tuning] = []
 
@@ -147,25 +174,49 @@ class ScheduleAuto:
         return self._current.program.schedule
 
     def step(self, *args, **kwargs):
-        """One training step (zbpipe.PipelineSchedule.step's semantics). A tuning step runs
-        the measuring schedule, gathers the measurements and switches for the next step."""
-        tuning = self._steps == 0 or (self._retune is not None and self._steps % self._retune == 0)
+        """One training step (zbpipe.PipelineSchedule.step's semantics). A tuning spans two
+        steps of the measuring schedule: the first measures the memory deltas (the probe's
+        pack hooks slow it, and a first step also warms up), the second the times; the ranks
+        then gather, plan and switch for the step after."""
         self._steps += 1
-        if not tuning:
-            start = time.perf_counter()
-            out = self._current.step(*args, **kwargs)
-            if self.tuning is not None and self.tuning.measured_step_s is None:
-                self.tuning.measured_step_s = time.perf_counter() - start
-            return out
+        starts = self._steps == 1 or (self._retune is not None and (self._steps - 1) % self._retune == 0)
+        if starts:
+            return self._memory_step(args, kwargs)
+        if self._pending is not None:
+            return self._timing_step(args, kwargs)
+        start = time.perf_counter()
+        out = self._current.step(*args, **kwargs)
+        if self.tuning is not None and len(self._after) < _MEASURED_STEPS:
+            self._after.append(time.perf_counter() - start)
+            self.tuning.measured_step_s = statistics.median(self._after)
+        return out
+
+    def _memory_step(self, args, kwargs):
         measuring = self._current if self._splits(self._current.program) else self._schedules[self._safe]
+        shapes = _shapes(args, kwargs)
         measuring.measure_memory = True
         try:
             out = measuring.step(*args, **kwargs)
         finally:
             measuring.measure_memory = False
-        self._tune(measuring)
+        self._pending = dict(measuring=measuring, deltas=measuring.memory_profile(), shapes=shapes)
         return out
 
+    def _timing_step(self, args, kwargs):
+        pending, self._pending = self._pending, None
+        # Every rank checks before the step runs, so no rank enters a step the others refuse.
+        changed = [None] * self._pp
+        dist.all_gather_object(changed, _shapes(args, kwargs) != pending["shapes"], group=self._group)
+        if any(changed):
+            raise _C.ScheduleError(
+                f"ScheduleAuto: the step's shapes changed during a tuning (on rank(s) "
+                f"{[r for r, c in enumerate(changed) if c]}, between the step that measured memory "
+                f"(step {self._steps - 1}) and the one that measures times (step {self._steps})): "
+                "measurements of two shapes plan for neither. Tune on steps of one shape "
+                "(retune_every=None, or a period that starts after the shapes settle)")
+        out = pending["measuring"].step(*args, **kwargs)
+        self._tune(pending["measuring"], pending["deltas"])
+        return out
     def eval(self, *args, **kwargs):
         return self._current.eval(*args, **kwargs)
 
@@ -196,13 +247,15 @@ class ScheduleAuto:
         kinds = {a.kind for a in program.action_values(self._rank) if a.is_compute}
         return _C.Kind.B not in kinds and _C.Kind.I in kinds
 
-    def _measurements(self, measuring: PipelineSchedule) -> dict:
-        costs = profile_from_trace(measuring.trace())
+    def _measurements(self, measuring: PipelineSchedule, deltas: dict) -> dict:
+        costs = profile_from_trace(measuring.trace(), clock=self._clock)
         return dict(rank=self._rank, num_stages=self._num_stages, microbatches=self._n,
-                    costs=costs, deltas=measuring.memory_profile(), comm_s=self._p2p_latency(measuring))
+                    costs=costs, deltas=deltas, comm_s=self._p2p_latency(measuring))
 
     def _p2p_latency(self, measuring: PipelineSchedule) -> float:
-        """Median one-way time of a boundary-sized message around the ring of the group."""
+        """One hop of a boundary-sized message: rank 0 passes a token around the ring (each rank
+        receives, then sends on) and times the loop, so no rank's late start is counted; the
+        median of 5 loops after one to warm up, over pp hops, broadcast from rank 0."""
         ex = measuring._last
         nbytes = 0
         for s in self._stages:
@@ -214,18 +267,21 @@ class ScheduleAuto:
         dist.all_gather_object(sizes, nbytes, group=self._group)
         if self._pp < 2:
             return 0.0
-        buf_out = torch.zeros(max(sizes) // 4 + 1, device=self._stages[0].device)
-        buf_in = torch.empty_like(buf_out)
+        buf = torch.zeros(max(sizes) // 4 + 1, device=self._stages[0].device)
         nxt, prv = (self._rank + 1) % self._pp, (self._rank - 1) % self._pp
-        took = []
-        for _ in range(5):
-            dist.barrier(group=self._group)
+        loops = []
+        for _ in range(6):
             start = time.perf_counter()
-            works = [self._group.recv([buf_in], prv, 77), self._group.send([buf_out], nxt, 77)]
-            for w in works:
-                w.wait()
-            took.append(time.perf_counter() - start)
-        return statistics.median(took)
+            if self._rank == 0:
+                self._group.send([buf], nxt, 77).wait()
+                self._group.recv([buf], prv, 77).wait()
+            else:
+                self._group.recv([buf], prv, 77).wait()
+                self._group.send([buf], nxt, 77).wait()
+            loops.append(time.perf_counter() - start)
+        hop = [statistics.median(loops[1:]) / self._pp]
+        dist.broadcast_object_list(hop, src=dist.get_global_rank(self._group, 0), group=self._group)
+        return hop[0]
 
     def _gather(self, mine: dict) -> list[dict]:
         every = [None] * self._pp
@@ -264,8 +320,8 @@ class ScheduleAuto:
         scaled["mem_w"] = [m * scale[s] for s, m in enumerate(opts["mem_w"])]
         return _compile("zb_auto", self._pp, self._n, self._spr, **scaled, memory_cap=cap)
 
-    def _tune(self, measuring: PipelineSchedule) -> None:
-        mine = self._measurements(measuring)
+    def _tune(self, measuring: PipelineSchedule, deltas: dict) -> None:
+        mine = self._measurements(measuring, deltas)
         costs, deltas, comm = self._merge(self._gather(mine))
         model = compile_costs({s: {**costs[s], **deltas[s]} for s in costs}, self._num_stages)
         # A stage whose saved tensors the probe cannot see (packed by hooks inside its module,
@@ -302,7 +358,8 @@ class ScheduleAuto:
                 f"candidate needs; the smallest need is {need:.0f} bytes ({who})")
         best = min(fitting, key=lambda c: c.predicted_s)  # min keeps the first of equals: same on every rank
         self.tuning = Tuning(self._steps, costs, deltas, comm, budget, candidates, best.name, best.predicted_s,
-                             unseen_memory=unseen)
+                             clock=self._clock, unseen_memory=unseen)
+        self._after = []
         self.history.append(self.tuning)
         chosen = programs[best.name]
         if chosen.to_csv_text() != self._current.program.to_csv_text():  # the same program: keep it

@@ -26,7 +26,8 @@ def _records_of(source) -> list[dict]:
         return list(source)
     with open(source) as f:
         events = json.load(f)["traceEvents"]
-    out = []
+    out: list[dict] = []
+    device: dict[tuple, tuple[float, float]] = {}
     for e in events:
         if e.get("ph") == "C":
             out.append({"memory": e["name"], "args": e["args"]})
@@ -34,16 +35,38 @@ def _records_of(source) -> list[dict]:
             start = int(round(e["ts"] * 1000))
             out.append({"action": e["name"], "host_start_ns": start,
                         "host_end_ns": start + int(round(e["dur"] * 1000)),
-                        "wait_ns": int(round(e["args"].get("wait_us", 0.0) * 1000))})
+                        "wait_ns": int(round(e["args"].get("wait_us", 0.0) * 1000)),
+                        "entry": e["args"].get("entry"), "pid": e.get("pid")})
+        elif e.get("ph") == "X" and e.get("tid") == 1:  # the device lane (device_timing)
+            device[(e["pid"], e["args"].get("entry"))] = (e["ts"], e["ts"] + e["dur"])
+    for r in out:  # a host record and its device twin share (rank, entry)
+        if "action" in r and (r.get("pid"), r.get("entry")) in device:
+            r["device_start_us"], r["device_end_us"] = device[(r.get("pid"), r.get("entry"))]
     return out
 
 
-def profile_from_trace(records_or_paths) -> dict[int, dict[str, float]]:
+def _took_s(r: dict, clock: str) -> float:
+    """One compute record's time: its device time where the record has one and the clock allows,
+    else its host time less its receive wait."""
+    if clock != "host" and r.get("device_start_us", -1.0) >= 0:
+        return (r["device_end_us"] - r["device_start_us"]) / 1e6
+    if clock == "device":
+        raise ValueError(f"profile_from_trace(clock='device'): {r['action']} has no device time "
+                         "(run the schedule with device_timing=True on an accelerator)")
+    return (r["host_end_ns"] - r["host_start_ns"] - r.get("wait_ns", 0)) / 1e9
+
+
+def profile_from_trace(records_or_paths, clock: str = "auto") -> dict[int, dict[str, float]]:
     """{stage: {"f", "i", "w", "b": seconds (median per action kind; None where the trace has
     no such action), "mem_f", "mem_w": bytes (only where a probing step's counters are in the
     trace)}} from sched.trace() records, a list of them (one per rank), or Chrome trace paths
-    (a list, or one comma-separated string). A compute action's time is its host time less the
-    time it waited for a receive. Raises ValueError when no compute action is found."""
+    (a list, or one comma-separated string). A compute action's time is, with clock="auto",
+    its device time where the trace has one (a schedule run with device_timing=True on an
+    accelerator; the device lane of a Chrome trace), else its host time less the time it waited
+    for a receive; clock="host" always takes the latter, clock="device" requires device times.
+    Raises ValueError when no compute action is found."""
+    if clock not in ("auto", "host", "device"):
+        raise ValueError(f"clock must be 'auto', 'host' or 'device', got {clock!r}")
     if isinstance(records_or_paths, str):
         records_or_paths = [p for p in records_or_paths.split(",") if p]
     sources: Iterable = records_or_paths
@@ -60,7 +83,7 @@ def profile_from_trace(records_or_paths) -> dict[int, dict[str, float]]:
                 continue
             m = _COMPUTE.match(r["action"])
             if m:
-                took = (r["host_end_ns"] - r["host_start_ns"] - r.get("wait_ns", 0)) / 1e9
+                took = _took_s(r, clock)
                 times.setdefault(int(m.group(1)), {}).setdefault(m.group(2).lower(), []).append(max(took, 0.0))
     if not times:
         raise ValueError("profile_from_trace: no compute action (F, B, I, W) in the trace")

@@ -30,6 +30,8 @@ class DeviceTimer {
   DeviceTimer(const c10::Device& device, bool enabled, size_t actions);
   bool enabled() const { return enabled_; }
   void start_step();
+  // Records entry i's start (end=false) or end event on the compute stream; marking the start
+  // again moves it later (after a stream's wait for a receive).
   void mark(size_t i, bool end);
   // Fills device_start_us / device_end_us of records[i] for every marked i.
   void collect(std::vector<TraceRecord>& records);

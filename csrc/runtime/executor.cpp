@@ -220,7 +220,10 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
       return;
     case Kind::B:
     case Kind::I:
-      if (e.needs_recv) comms_->wait(slot(e.local, e.mb).grad_in, rec.wait_ns);
+      if (e.needs_recv) {
+        comms_->wait(slot(e.local, e.mb).grad_in, rec.wait_ns);
+        timer_->mark(rec.entry, false);  // device time starts after the stream's wait: compute only
+      }
       backward(e, nullptr);
       return;
     case Kind::W:
@@ -241,7 +244,10 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
 void Executor::forward(const Entry& e, TraceRecord& rec) {
   LocalStage& st = stages_[e.local];
   Slot& sl = st.slot(e.mb);
-  if (e.needs_recv) comms_->wait(sl.fwd_in, rec.wait_ns);
+  if (e.needs_recv) {
+    comms_->wait(sl.fwd_in, rec.wait_ns);
+    timer_->mark(rec.entry, false);  // device time starts after the stream's wait: compute only
+  }
   auto inputs = std::move(sl.fwd_in.tensors);
   sl.fwd_in.tensors.clear();
   const auto& in_specs = st.shapes.sigs.inputs.specs;

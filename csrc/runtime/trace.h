@@ -20,7 +20,9 @@ struct TraceRecord {
   int64_t wait_ns = 0;       // part of the host time spent waiting for a receive
   bool worker = false;       // ran on the executor's worker thread (OVERLAP_F_B's backward half),
                              // overlapping the host records around it
-  double device_start_us = -1.0;  // relative to the step's first device event; -1 if untimed
+  // Relative to the step's first device event; -1 if untimed. The start is taken after the
+  // compute stream's wait for a receive, so a device time is the action's own work.
+  double device_start_us = -1.0;
   double device_end_us = -1.0;
 };
 

@@ -34,6 +34,12 @@ def _step(sched, stages, k):
     return sched.step(*((x,) if first else ()), target=y if last else None)
 
 
+def _tune(sched, stages):
+    """The tuning's two steps: memory (step 1), then times (step 2); the choice runs from step 3."""
+    _step(sched, stages, 0)
+    _step(sched, stages, 1)
+
+
 def _train(rank, pp, placement):
     sched, stages, _ = _auto(rank, pp, placement)
     programs = []
@@ -60,8 +66,8 @@ def test_exact_gradients_and_one_program_across_the_switch(spawn_world, placemen
     assert results[0]["programs"] == results[1]["programs"], "the ranks ran different programs"
     assert results[0]["choice"] == results[1]["choice"]
     safe = zbpipe.compile(results[0]["safe"], PP, M, len(LAYOUTS[placement]) // PP).to_csv_text()
-    chosen = results[0]["programs"][1]
-    assert results[0]["programs"][0] == safe and results[0]["programs"][1:] == [chosen] * (STEPS - 1)
+    chosen = results[0]["programs"][2]
+    assert results[0]["programs"][:2] == [safe] * 2 and results[0]["programs"][2:] == [chosen] * (STEPS - 2)
     # The tuning's fields: costs and deltas of every stage, every candidate of the family.
     res = results[0]
     assert sorted(res["costs"]) == list(range(len(LAYOUTS[placement])))
@@ -79,11 +85,11 @@ def _budgets(rank, pp):
     """One stage per rank: the free choice (budget None: what zb_h1 held) and the choice under
     a budget of 0.7x zb_h1's peak, which only zb_auto, planned under it, can meet."""
     sched, stages, _ = _auto(rank, pp, "one")
-    _step(sched, stages, 0)
+    _tune(sched, stages)
     free = {c.name: c for c in sched.tuning.candidates}
     tight = 0.7 * max(free["zb_h1"].peak_bytes)
     tight_sched, tight_stages, _ = _auto(rank, pp, "one", activation_budget=tight)
-    _step(tight_sched, tight_stages, 0)
+    _tune(tight_sched, tight_stages)
     cands = {c.name: c for c in tight_sched.tuning.candidates}
     return dict(tight=tight, choice=tight_sched.choice, peak=max(cands[tight_sched.choice].peak_bytes),
                 fits={n: c.fits for n, c in cands.items()}, safe_peaks=free["zb_h1"].peak_bytes,
@@ -101,7 +107,7 @@ def test_the_budget_decides_the_candidate(spawn_world):
 def _too_small(rank, pp):
     sched, stages, _ = _auto(rank, pp, "one", activation_budget=1)
     try:
-        _step(sched, stages, 0)
+        _tune(sched, stages)
     except zbpipe.ScheduleError as e:
         return str(e)
     return "no error"
@@ -109,7 +115,7 @@ def _too_small(rank, pp):
 
 def _need(rank, pp):
     sched, stages, _ = _auto(rank, pp, "one")
-    _step(sched, stages, 0)
+    _tune(sched, stages)
     return min(max(c.peak_bytes) for c in sched.tuning.candidates if c.peak_bytes)
 
 
@@ -123,9 +129,9 @@ def _disagree(rank, pp):
     sched, stages, _ = _auto(rank, pp, "one")
     if rank == 1:
         real = sched._measurements
-        sched._measurements = lambda m: {**real(m), "num_stages": 3}
+        sched._measurements = lambda m, d: {**real(m, d), "num_stages": 3}
     try:
-        _step(sched, stages, 0)
+        _tune(sched, stages)
     except zbpipe.ScheduleError as e:
         return str(e)
     return "no error"
@@ -146,7 +152,7 @@ def test_a_placement_of_no_family_is_refused():
 
 def _traces(rank, pp, folder):
     sched, stages, _ = _auto(rank, pp, "one")
-    _step(sched, stages, 0)  # the measuring step: its trace carries the memory counters
+    _tune(sched, stages)  # the measuring steps: the trace carries the first's memory counters
     measuring = sched._schedules["zb_h1"]
     path = f"{folder}/rank{rank}.json"
     measuring.export_chrome_trace(path)
@@ -178,7 +184,8 @@ def _unequal(rank, pp):
             torch.nn.Sequential(torch.nn.Linear(width, 512), torch.nn.Tanh(), torch.nn.Linear(512, width))]
     sched = zbpipe.ScheduleAuto(zbpipe.PipelineStage(mods[rank], rank, PP, "cpu"), M, loss_fn=F.mse_loss, timeout=60)
     x, y = data("mlp", 2 * M, seed=1)
-    sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+    for _ in range(2):
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
     t = sched.tuning
     return t.budget, {c.name: (c.predicted_s, c.fits) for c in t.candidates}
 
@@ -193,3 +200,81 @@ def test_zb_auto_plans_under_unequal_per_rank_budgets(spawn_world):
     predicted, fits = candidates["zb_auto"]
     assert predicted is not None and fits, candidates
     assert results[1][1]["zb_auto"] == candidates["zb_auto"]
+
+
+def _retune(rank, pp):
+    """retune_every=3 over 8 steps: tunings over steps 1-2, 4-5 and 7-8."""
+    sched, stages, _ = _auto(rank, pp, "one", retune_every=3)
+    runs = []  # per step: the program it ran and the schedule object that ran it
+    for k in range(8):
+        before = sched.program.to_csv_text()
+        _step(sched, stages, k)
+        runs.append((before, id(sched._current), sched.choice))
+    grads = {(s.stage_index, n): p.grad.clone() for s in stages for n, p in s.submod.named_parameters()}
+    return dict(grads=grads, runs=runs, steps=[t.step for t in sched.history],
+                choices=[t.choice for t in sched.history], clocks=[t.clock for t in sched.history],
+                comm=[t.comm_s for t in sched.history], measured=[t.measured_step_s for t in sched.history])
+
+
+def test_retune_every_measures_again_and_keeps_a_program_it_picks_again(spawn_world):
+    results = spawn_world(PP).run(_retune, timeout_s=240)
+    mods = build("mlp", PP)
+    for k in range(8):
+        x, y = data("mlp", 2 * M, seed=k + 1)
+        F.mse_loss(call_chain(mods, x), y).backward()
+    for res in results:
+        for (stage, name), g in res["grads"].items():
+            assert_close(g, dict(mods[stage].named_parameters())[name].grad, msg=f"retune {stage}.{name}")
+    a, b = results
+    assert a["steps"] == [2, 5, 8] and a["choices"] == b["choices"], (a["steps"], a["choices"], b["choices"])
+    assert [r[0] for r in a["runs"]] == [r[0] for r in b["runs"]], "the ranks ran different programs"
+    assert a["clocks"] == ["host"] * 3 and all(0 < c < 0.1 for c in a["comm"]), (a["clocks"], a["comm"])
+    # Every tuning but the last saw steps run after its switch.
+    assert all(m is not None and m > 0 for m in a["measured"][:2]), a["measured"]
+    # A re-tune that picks the program already running keeps its schedule (and executor): step 3
+    # runs the first tuning's choice, step 6 the second's.
+    (prog3, sched3, _), (prog6, sched6, _) = a["runs"][2], a["runs"][5]
+    if prog6 == prog3:
+        assert sched6 == sched3, a["runs"]
+
+
+def _shape_change(rank, pp):
+    sched, stages, _ = _auto(rank, pp, "one")
+    _step(sched, stages, 0)
+    x, y = data("mlp", 4 * M, seed=2)  # twice the rows: another shape, mid-tuning
+    try:
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+    except zbpipe.ScheduleError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_shape_change_during_a_tuning_fails_every_rank_before_the_step(spawn_world):
+    for msg in spawn_world(PP).run(_shape_change, timeout_s=120):
+        assert "shapes changed during a tuning (on rank(s) [0, 1]" in msg and "step 1" in msg, msg
+
+
+def test_retune_every_below_two_is_refused():
+    with pytest.raises(ValueError, match="retune_every must be >= 2"):
+        zbpipe.ScheduleAuto([], M, loss_fn=F.mse_loss, retune_every=1)
+
+
+def test_profile_from_trace_takes_device_times_where_the_trace_has_them(tmp_path):
+    import json
+
+    rec = {"action": "0F0", "host_start_ns": 0, "host_end_ns": 5_000_000, "wait_ns": 1_000_000,
+           "device_start_us": 10.0, "device_end_us": 1010.0}
+    untimed = {**rec, "action": "0I0", "device_start_us": -1.0, "device_end_us": -1.0}
+    prof = zbpipe.profile_from_trace([rec, untimed])
+    assert prof[0]["f"] == pytest.approx(1e-3) and prof[0]["i"] == pytest.approx(4e-3), prof
+    assert zbpipe.profile_from_trace([rec], clock="host")[0]["f"] == pytest.approx(4e-3)
+    with pytest.raises(ValueError, match="0I0 has no device time"):
+        zbpipe.profile_from_trace([rec, untimed], clock="device")
+    # The same from a Chrome trace: the device lane (tid 1) twin of a host event, by entry.
+    path = tmp_path / "rank0.json"
+    path.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "pid": 0, "tid": 0, "name": "0F0", "ts": 0.0, "dur": 5000.0, "args": {"wait_us": 1000.0, "entry": 0}},
+        {"ph": "X", "pid": 0, "tid": 1, "name": "0F0", "ts": 10.0, "dur": 1000.0, "args": {"wait_us": 0.0, "entry": 0}},
+    ]}))
+    assert zbpipe.profile_from_trace(str(path))[0]["f"] == pytest.approx(1e-3)
+    assert zbpipe.profile_from_trace(str(path), clock="host")[0]["f"] == pytest.approx(4e-3)

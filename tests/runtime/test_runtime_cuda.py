@@ -64,6 +64,30 @@ def test_multi_stage_schedule_on_one_gpu_exact_against_cpu(one_rank_group, name,
                 assert b["host_start_ns"] < f["host_end_ns"], (f, b)
 
 
+def test_schedule_auto_times_on_device_events_on_one_gpu(one_rank_group):
+    # ScheduleAuto on a GPU plans from device times (c10 events, taken after any receive wait),
+    # with gradients exact across the switch; V placement on one rank (stages 0 and 1).
+    dev = torch.device("cuda", 0)
+    m = 4
+    ref = build("block", 2)
+    mods = [copy.deepcopy(r).to(dev) for r in ref]
+    stages = [zbpipe.PipelineStage(mod, s, 2, dev) for s, mod in enumerate(mods)]
+    sched = zbpipe.ScheduleAuto(stages, m, loss_fn=F.mse_loss)
+    for k in range(4):
+        x, y = data("block", 2 * m, seed=k + 1)
+        F.mse_loss(call_chain(ref, x), y).backward()
+        sched.step(x.to(dev), target=y.to(dev))
+    torch.cuda.synchronize()
+    assert_grads_close(mods, ref)
+    t = sched.tuning
+    assert t.clock == "device" and "(device times)" in t.table(), t.table()
+    assert all(c[k] > 0 for c in t.costs.values() for k in "fiw"), t.costs
+    records = [r for r in sched.trace() if re.fullmatch(r"\d+[FIW]\d+", r["action"])]
+    assert records and all(r["device_end_us"] >= r["device_start_us"] >= 0.0 for r in records), records
+    # The costs are the device durations' medians (profile_from_trace, clock="device").
+    assert zbpipe.profile_from_trace(sched.trace(), clock="device")[1]["f"] > 0
+
+
 def _nccl_step(rank, pp, name, stop_rank):
     """One step on this rank's GPU; (outcome, message, seconds). With stop_rank, that rank's
     first stage raises in its second forward."""

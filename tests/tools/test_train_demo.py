@@ -46,6 +46,7 @@ def _run_demo(*args: str) -> subprocess.CompletedProcess:
         ("--lib", "zbpipe", "--schedule", "1f1b"),  # one stage per rank, full backward
         ("--lib", "zbpipe", "--schedule", "zb_auto"),  # cost-driven, at unit costs
         ("--lib", "zbpipe", "--schedule", "v_min"),  # controllable-memory V
+        ("--lib", "zbpipe", "--schedule", "auto"),  # ScheduleAuto: measures, plans, switches
         ("--lib", "zbpipe", "--schedule", "zb_h1", "--dp", "2"),  # 2 replicas of pp 2, DDP stages, split I/W
         ("--lib", "torch", "--schedule", "zbv"),  # the harness itself, against PyTorch's runtime
     ],
@@ -72,6 +73,8 @@ def test_pipelined_loss_matches_single_process(args, tmp_path):
     assert abs(piped - single) <= 1e-5 * max(1.0, abs(single)), (piped, single)
     assert float(worst) <= 1e-5 and 1.0 < single < 3.5
     _check_rates(out, world=2 * (2 if "--dp" in args else 1), zb=zb)
+    if args[3] == "auto":
+        _check_tuning(out)
     if zb:  # each rank wrote its last step's trace, with the schedule's compute actions in it
         for rank in (0, 1):
             events = json.loads((tmp_path / f"t.rank{rank}.json").read_text())["traceEvents"]
@@ -119,3 +122,18 @@ def _check_rates(out: str, world: int, zb: bool) -> None:
         # The rank holds what the simulator counts under the measured mem_f: at most the
         # prediction (mem_w = mem_f: I frees nothing there), and not far below it.
         assert not zb or 0.5 <= float(measured) / float(predicted) <= 1.02, (rank, measured, predicted)
+
+
+TUNED_STAGE = re.compile(r"^\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\d+)\s+(\d+)$", re.M)
+
+
+def _check_tuning(out: str) -> None:
+    """`--schedule auto` prints the tuning table once, after the tuning's two steps and before
+    the step after them, with every stage's measured bytes (the trainer's own saved-activation
+    meter chains to the schedule's memory probe instead of hiding the tensors from it)."""
+    assert out.count("ScheduleAuto tuning at step 2") == 1, out
+    table = out[out.index("ScheduleAuto tuning"):]
+    assert table.index("choice: ") < table.index("step     3/3"), out
+    stages = TUNED_STAGE.findall(table[:table.index("candidate")])
+    assert [int(s[0]) for s in stages] == [0, 1], table
+    assert all(int(mem_f) > 100_000 and 0 < int(mem_w) <= int(mem_f) for *_, mem_f, mem_w in stages), table

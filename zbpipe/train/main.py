@@ -152,6 +152,7 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     flops = flops_per_token(build_model(cfg, opts["seed"]), cfg)[1] if logs else 0
     history: list[float] = []
     window_t, window_steps, timed_s = time.perf_counter(), 0, []
+    tuned = False
     for step in range(start, steps):
         t_step = time.perf_counter()
         x, y = (t[replica * share:(replica + 1) * share].to(device) for t in task.batch(step, opts["batch_size"]))
@@ -163,8 +164,9 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
             zbpipe.clip_grad_norm_(mine, opts["max_norm"], group=group)
         for optim in optims:
             optim.step()
-        if step == start and opts["schedule"] == "auto" and logs:
-            print(sched.tuning.table(), flush=True)
+        if opts["schedule"] == "auto" and logs and sched.tuning is not None and not tuned:
+            print(sched.tuning.table(), flush=True)  # after the tuning's two steps
+            tuned = True
         if not last:
             continue
         loss = torch.stack([l.detach().float() for l in losses]).mean()

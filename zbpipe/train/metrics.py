@@ -65,11 +65,12 @@ def peak_flops(device: str) -> tuple[float, str]:
         torch.set_num_threads(threads)
 
 
-class _Held:  # what the pack hook saves: the tensor itself (so its lifetime is the holder's)
-    __slots__ = ("t", "__weakref__")
+class _Held:  # what the pack hook saves: the tensor (or what an outer hook packed it to), so
+    # its lifetime is the holder's, and the outer hook's unpack
+    __slots__ = ("t", "unpack", "__weakref__")
 
-    def __init__(self, t):
-        self.t = t
+    def __init__(self, t, unpack=None):
+        self.t, self.unpack = t, unpack
 
 
 class SavedActivationMeter:
@@ -86,6 +87,7 @@ class SavedActivationMeter:
         self.per_forward: dict[int, int] = dict.fromkeys(modules, 0)
         self._params = {p.untyped_storage().data_ptr() for m in modules.values() for p in m.parameters()}
         self._ctx = None
+        self._outer_pack = self._outer_unpack = None
         for s, m in modules.items():
             m.register_forward_pre_hook(lambda mod, args, s=s: self._enter(s))
             m.register_forward_hook(lambda mod, args, out, s=s: self._exit(s))
@@ -94,6 +96,10 @@ class SavedActivationMeter:
         if not torch.is_grad_enabled():
             return
         self._start = self.current
+        # Chain to the hooks active around the forward (the schedule's memory probe, save_on_cpu):
+        # torch runs only the innermost pair, and this one is installed inside the module.
+        outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
+        self._outer_pack, self._outer_unpack = outer if outer is not None else (None, None)
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
 
@@ -114,13 +120,15 @@ class SavedActivationMeter:
                 self.current += entry[0]
                 self.peak = max(self.peak, self.current)
             entry[1] += 1
-        held = _Held(t)
+        held = _Held(self._outer_pack(t) if self._outer_pack is not None else t, self._outer_unpack)
         weakref.finalize(held, self._release, key)
         return held
 
     @staticmethod
     def _unpack(held):
-        return held.t if isinstance(held, _Held) else held
+        if not isinstance(held, _Held):
+            return held
+        return held.unpack(held.t) if held.unpack is not None else held.t
 
     def _release(self, key: int) -> None:
         with self._lock:
