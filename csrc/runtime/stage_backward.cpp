@@ -435,7 +435,7 @@ void collect_weight_roots(const Plan& plan, const std::vector<Node*>& order, con
   for (size_t k = 0; k < plan.rerun.size(); ++k) {
     CapturedInputs& c = captures.rerun[k];
     if (!c.fired) continue;  // it did not run in I (nothing reached it): nor does it in W
-    work.rerun.emplace_back(c10::intrusive_ptr<Node>::reclaim_copy(order[plan.rerun[k]]));
+    work.rerun.emplace_back(node_ref(order[plan.rerun[k]]));
     for (uint32_t nr = 0; nr < c.grads.size(); ++nr) {
       work.roots.emplace_back(work.rerun.back(), nr);
       work.grads.push_back(std::move(c.grads[nr]));

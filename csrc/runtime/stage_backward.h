@@ -49,6 +49,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "runtime/node_ref.h"
+
 namespace zbpipe::runtime {
 
 // What W needs for one stage microbatch, filled by backward_input.
@@ -56,7 +58,7 @@ struct WeightWork {
   torch::autograd::edge_list roots;  // W's roots (they keep the graph W runs alive)
   std::vector<at::Tensor> grads;     // the gradient for each root
   // Boundary nodes W re-runs: their hooks are stripped during W (they ran in I).
-  std::vector<c10::intrusive_ptr<torch::autograd::Node>> rerun;
+  std::vector<NodeRef> rerun;
 
   bool empty() const { return roots.empty(); }
   void clear();
