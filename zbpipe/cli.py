@@ -232,8 +232,9 @@ def _simulated(prog: _C.Program, args) -> tuple[dict, _C.SimResult]:
 
 
 def _compile_in_compare(name: str, args) -> tuple[_C.Program, bool]:
-    """--compare: --memory-cap goes to every schedule that takes a cap; one that fixes its own
-    cap and refuses this one runs at its own. Returns (program, whether it took the cap)."""
+    """--compare: --memory-cap goes to every schedule that takes a cap; one that refuses this
+    one (a V cap below one microbatch of a rank's stages) runs at its own. Returns (program,
+    whether it took the cap)."""
     if args.memory_cap and "memory_cap" in schedule_options(name):
         try:
             return _compile(name, args, args.memory_cap), True

@@ -307,18 +307,20 @@ class ScheduleAuto:
                 f"ScheduleAuto: the ranks measured stages {sorted(costs)}, want 0..{self._num_stages - 1}")
         return costs, deltas, max(m["comm_s"] for m in every)
 
-    def _zb_auto(self, opts: dict, budget: list[float], sim: dict) -> _C.Program:
-        """zb_auto under the budget. Its cap is one number for every rank while the budget may
-        differ per rank (None: the safe default's peak of each rank, unequal when the stages'
-        memory is). One stage per rank (zb_auto's placement), so each stage's memory is scaled
-        by cap / its rank's budget: "scaled memory <= cap" is then "memory <= the rank's own
-        budget", and memory steers only the cap, never the times."""
+    def _under_budget(self, name: str, opts: dict, budget: list[float]) -> _C.Program:
+        """A cost-driven candidate (zb_auto, v_half, v_min) planned under the budget. Their cap
+        is one number for every rank while the budget may differ per rank (None: the safe
+        default's peak of each rank, unequal when the stages' memory is), so each stage's
+        memory is scaled by cap / its rank's budget: "scaled memory <= cap" is then "memory <=
+        the rank's own budget", and memory steers only the cap, never the times."""
         cap = max(budget)
-        scale = [cap / b if b > 0 else 1.0 for b in budget]
+        pp = self._pp
+        rank_of = [2 * pp - 1 - s if self.placement == "v" and s >= pp else s % pp for s in range(self._num_stages)]
+        scale = [cap / budget[rank_of[s]] if budget[rank_of[s]] > 0 else 1.0 for s in range(self._num_stages)]
         scaled = dict(opts)
         scaled["mem_f"] = [m * scale[s] for s, m in enumerate(opts["mem_f"])]
         scaled["mem_w"] = [m * scale[s] for s, m in enumerate(opts["mem_w"])]
-        return _compile("zb_auto", self._pp, self._n, self._spr, **scaled, memory_cap=cap)
+        return _compile(name, self._pp, self._n, self._spr, **scaled, memory_cap=cap)
 
     def _tune(self, measuring: PipelineSchedule, deltas: dict) -> None:
         mine = self._measurements(measuring, deltas)
@@ -335,12 +337,11 @@ class ScheduleAuto:
         candidates, programs = [], {}
         for name in self._names:
             try:
-                # zb_auto plans under the budget; v_half and v_min fix their own cap
-                opts = dict(sim) if name in _COST_DRIVEN else {}
-                if name == "zb_auto":
-                    prog = self._zb_auto(opts, budget, sim)
+                # the cost-driven candidates plan under the budget, in bytes
+                if name in _COST_DRIVEN:
+                    prog = self._under_budget(name, dict(sim), budget)
                 else:
-                    prog = _compile(name, self._pp, self._n, self._spr, **opts)
+                    prog = _compile(name, self._pp, self._n, self._spr)
             except (_C.ScheduleError, ValueError) as e:
                 candidates.append(Candidate(name, None, [], False, f" ({str(e).splitlines()[0][:60]})"))
                 continue
@@ -356,7 +357,10 @@ class ScheduleAuto:
             raise _C.ScheduleError(
                 f"ScheduleAuto: activation_budget {self._budget} bytes per rank is below what every "
                 f"candidate needs; the smallest need is {need:.0f} bytes ({who})")
-        best = min(fitting, key=lambda c: c.predicted_s)  # min keeps the first of equals: same on every rank
+        # The first of those within rounding of the least (the safe default comes first): the
+        # same on every rank, and no switch for a difference the simulator cannot resolve.
+        least = min(c.predicted_s for c in fitting)
+        best = next(c for c in fitting if c.predicted_s <= least * (1 + 1e-9))
         self.tuning = Tuning(self._steps, costs, deltas, comm, budget, candidates, best.name, best.predicted_s,
                              clock=self._clock, unseen_memory=unseen)
         self._after = []

@@ -68,7 +68,7 @@ def test_bad_memory_raises(kwargs, match):
 
 @pytest.mark.parametrize("name,units", [("v_half", lambda p: 2 * ((p + 2) // 2)),
                                         ("v_min", lambda p: 2 * ((p + 4) // 3))])
-def test_v_schedules_keep_their_paper_cap_in_mem_f_units(name, units):
+def test_v_schedules_hold_their_paper_cap_or_the_one_given(name, units):
     # A V rank's cap is (its paper bound) microbatches of both its stages: units/2 * (mem_f of
     # the two), here 2.0 per stage, and I frees half a forward.
     pp, m = 4, 12
@@ -77,6 +77,14 @@ def test_v_schedules_keep_their_paper_cap_in_mem_f_units(name, units):
     cap = units(pp) * 2.0
     prog = zbpipe.compile(name, pp, m, **memory, **costs)
     assert max(zbpipe.simulate(prog, **costs, **memory).peak_memory) <= cap
-    zbpipe.compile(name, pp, m, memory_cap=cap, **memory, **costs)  # its own cap is accepted
-    with pytest.raises(zbpipe.ScheduleError, match="fixes its memory cap"):
-        zbpipe.compile(name, pp, m, memory_cap=cap + 1, **memory, **costs)
+    # Its own cap, given, is the default program.
+    assert zbpipe.compile(name, pp, m, memory_cap=cap, **memory, **costs).to_csv_text() == prog.to_csv_text()
+    # Another cap is searched under (the block layouts seed the search where they fit): held,
+    # and a lower cap never gives a shorter step.
+    lower = zbpipe.compile(name, pp, m, memory_cap=cap - 2.0, **memory, **costs)
+    res = zbpipe.simulate(lower, **costs, **memory)
+    assert max(res.peak_memory) <= cap - 2.0
+    assert res.makespan >= zbpipe.simulate(prog, **costs, **memory).makespan - 1e-9
+    # One microbatch of both stages of a rank is the least a V cap can be.
+    with pytest.raises(zbpipe.ScheduleError, match=r"needs memory_cap >= 4 on rank 0 \(one microbatch of both"):
+        zbpipe.compile(name, pp, m, memory_cap=3.9, **memory, **costs)

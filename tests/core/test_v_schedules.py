@@ -79,10 +79,12 @@ def test_random_costs_keep_the_bound_and_validate():
 def test_fixed_parameters_are_rejected():
     with pytest.raises(zbpipe.ScheduleError, match="stages_per_rank"):
         zbpipe.compile("v_half", 4, 8, stages_per_rank=3)
-    with pytest.raises(zbpipe.ScheduleError, match="memory cap"):
-        zbpipe.compile("v_min", 4, 8, memory_cap=3)
-    # Its own cap is accepted.
-    zbpipe.compile("v_min", 4, 8, memory_cap=BOUND_UNITS["v_min"](4))
+    # A cap below one microbatch of both of a rank's stages (here 2 units) is refused.
+    with pytest.raises(zbpipe.ScheduleError, match="needs memory_cap >= 2 on rank 0"):
+        zbpipe.compile("v_min", 4, 8, memory_cap=1.5)
+    # Its own cap is the default program.
+    own = zbpipe.compile("v_min", 4, 8, memory_cap=BOUND_UNITS["v_min"](4))
+    assert own.to_csv_text() == zbpipe.compile("v_min", 4, 8).to_csv_text()
 
 
 # The controllable-memory paper's summary (Qi et al. 2024, at T_F = T_B = T_W): activation

@@ -278,3 +278,33 @@ def test_profile_from_trace_takes_device_times_where_the_trace_has_them(tmp_path
     ]}))
     assert zbpipe.profile_from_trace(str(path))[0]["f"] == pytest.approx(1e-3)
     assert zbpipe.profile_from_trace(str(path), clock="host")[0]["f"] == pytest.approx(4e-3)
+
+
+def _unequal_v(rank, pp):
+    """V placement, the last stage (on rank 0, beside stage 0) saving about 30x a light stage's
+    bytes per microbatch: the paper's V caps, counted in microbatches of both stages, sit
+    above zbv's peak in bytes."""
+    torch.manual_seed(0)
+    width = data("mlp", 1)[0].shape[-1]
+    light = lambda: torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())  # noqa: E731
+    heavy = torch.nn.Sequential(torch.nn.Linear(width, 512), torch.nn.Tanh(), torch.nn.Linear(512, width))
+    mods = [light(), light(), light(), heavy]
+    mine = [rank, 2 * pp - 1 - rank]
+    sched = zbpipe.ScheduleAuto([zbpipe.PipelineStage(mods[s], s, 2 * pp, "cpu") for s in mine], M,
+                                loss_fn=F.mse_loss, timeout=60)
+    x, y = data("mlp", 2 * M, seed=1)
+    for _ in range(2):
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 0 else None)
+    t = sched.tuning
+    return t.budget, {c.name: (c.predicted_s, c.peak_bytes, c.fits) for c in t.candidates}
+
+
+def test_v_candidates_plan_under_the_budget_in_bytes(spawn_world):
+    # v_half and v_min are planned under the budget (zbv's peak per rank), not at the paper's
+    # cap in microbatches, so they fit it whatever the stages' bytes.
+    (budget, cands), (_, other) = spawn_world(PP).run(_unequal_v, timeout_s=120)
+    assert cands == other
+    for name in ("v_half", "v_min"):
+        predicted, peak, fits = cands[name]
+        assert fits and all(p <= b * (1 + 1e-9) for p, b in zip(peak, budget)), (name, cands, budget)
+        assert predicted <= cands["zbv"][0] * (1 + 1e-9), (name, cands)  # never behind zbv here

@@ -85,8 +85,8 @@ def test_compare_lists_every_schedule_that_accepts(capsys):
     (["plan", "1f1b", "-m", "2"], "--pp is required"),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--f", "x"], "--f: expected a number"),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--f", "1,2,3"], "--f needs 1 value"),
-    # v_half at pp=4 holds 3 1F1B microbatches (--mem-f's units); it takes no other cap.
-    (["simulate", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "2"], "fixes its memory cap"),
+    # a V rank's cap holds at least one microbatch of both its stages (--mem-f's units).
+    (["simulate", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "0.9"], "v_half needs memory_cap >= 1 on rank 0"),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--memory-cap", "0"], "expected a positive number"),
     (["plan", "zb_auto", "--pp", "2", "-m", "2", "--memory-cap", "inf"], "expected a positive number"),
     (["simulate", "1f1b", "--pp", "2", "-m", "2", "--mem-f", "1,2,3"], "--mem-f needs 1 value"),
@@ -101,7 +101,7 @@ def test_compare_lists_every_schedule_that_accepts(capsys):
      "cannot write '/nonexistent/x.png': no directory '/nonexistent'"),
     (["draw", "1f1b", "--pp", "2", "-m", "2", "-o", "x.notaformat"], "cannot write 'x.notaformat'"),
     (["plan", "PipelineScheduleSingle", "--pp", "2", "-m", "2"], "is a base class, not a schedule"),
-    (["plan", "v_half", "--pp", "4", "-m", "8", "--memory-cap", "4"], "fixes its memory cap"),
+    (["plan", "v_min", "--pp", "4", "-m", "8", "--memory-cap", "0.5"], "v_min needs memory_cap >= 1 on rank 0"),
 ])
 def test_user_errors_are_one_line_exit_2(capsys, argv, needle):
     code, out, err = run(capsys, *argv)

@@ -66,14 +66,21 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
   Program shell = make_program(name, a, spr, "v");
   a.costs.check(shell.num_stages);
   a.memory.check(shell.num_stages);
-  // cap_units / 2 microbatches of both of a rank's stages, in mem_f's units.
+  // The paper's cap: cap_units / 2 microbatches of both of a rank's stages, in mem_f's units.
+  // Any other memory_cap (one number for every rank, in mem_f's units) is searched under: the
+  // block layouts then seed the search only where they fit it.
+  bool paper_cap = true;  // memory_cap 0, or the paper's cap on every rank
+  for (int r = 0; r < a.pp && a.memory_cap != 0.0; ++r) {
+    const double paper = cap_units / 2 * (a.memory.forward(r) + a.memory.forward(2 * a.pp - 1 - r));
+    paper_cap = paper_cap && std::abs(a.memory_cap - paper) <= 1e-9 * paper;
+  }
   std::vector<double> cap(a.pp);
   for (int r = 0; r < a.pp; ++r) {
-    cap[r] = cap_units / 2 * (a.memory.forward(r) + a.memory.forward(2 * a.pp - 1 - r));
-    ZB_SCHEDULE_CHECK(a.memory_cap == 0.0 || std::abs(a.memory_cap - cap[r]) <= 1e-9 * cap[r],
-                      name, " fixes its memory cap at ", cap[r], " per rank (", cap_units,
-                      " (stage, microbatch) units of mem_f) for pp=", a.pp, ", got memory_cap=",
-                      a.memory_cap, " (zb_auto takes any cap)");
+    const double one_each = a.memory.forward(r) + a.memory.forward(2 * a.pp - 1 - r);
+    cap[r] = paper_cap ? cap_units / 2 * one_each : a.memory_cap;
+    ZB_SCHEDULE_CHECK(cap[r] >= one_each * (1 - 1e-12), name, " needs memory_cap >= ", one_each,
+                      " on rank ", r, " (one microbatch of both its stages, in mem_f's units), got ",
+                      a.memory_cap);
   }
   ZB_CHECK(static_cast<int>(blocks.size()) == a.pp, "one V block per rank");
   Program laid_out = shell;
@@ -85,16 +92,27 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
   // same mem_f (a unit then holds at most mem_f); the search's simulation confirms it. The
   // post-passed one is primary; the laid-out one stays a reference, so the pick is never
   // behind it on makespan or span when some candidate matches both.
-  bool even = true;
+  bool even = paper_cap;
   for (int r = 0; r < a.pp; ++r)
     even = even && a.memory.forward(r) == a.memory.forward(2 * a.pp - 1 - r);
+  // Warm-up depth in (stage, microbatch) units: the paper's, and under another cap also what
+  // the cap holds in microbatches of both stages (the cap itself binds during the run).
+  std::vector<std::vector<int>> warmups{std::vector<int>(a.pp, cap_units)};
+  if (!paper_cap) {
+    std::vector<int> held(a.pp);
+    for (int r = 0; r < a.pp; ++r) {
+      const double one_each = a.memory.forward(r) + a.memory.forward(2 * a.pp - 1 - r);
+      held[r] = std::min(2 * a.microbatches, 2 * static_cast<int>(std::floor(cap[r] / one_each * (1 + 1e-12))));
+    }
+    if (held != warmups[0]) warmups.push_back(held);
+  }
   Program reordered = shell;
   reordered.ranks = reorder_v_block(blocks, a.microbatches);
   std::vector<Seed> seeds;
   seeds.push_back({std::move(reordered), Seed::Role::kPrimary, /*must_fit=*/even});
   seeds.push_back({std::move(laid_out), Seed::Role::kReference, /*must_fit=*/even});
   Program best = search_list_schedules(
-      shell, a.costs, a.memory, cap, PolicyGrid::standard({std::vector<int>(a.pp, cap_units)}, true),
+      shell, a.costs, a.memory, cap, PolicyGrid::standard(warmups, true),
       seeds, {a.exhaustive_search, a.search_threads});
   best.schedule = name;
   if (!a.refine) return best;

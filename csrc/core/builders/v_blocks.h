@@ -23,7 +23,8 @@ struct VBlock {
   int i_chunk0;  // I of stage r
 };
 
-// Checks the request (V topology, 2 stages per rank fixed, memory_cap 0 or `cap_units`), lays
+// Checks the request (V topology, 2 stages per rank fixed, memory_cap 0 for the paper's cap of
+// `cap_units`, or any cap that holds one microbatch of both stages of every rank), lays
 // `blocks` (one per rank) out over every microbatch twice, as is and refined by the paper's
 // post-passes (v_post_passes.h), and returns the best of those two and what the list scheduler
 // finds under the same cap and costs (a searched program must match or beat both layouts on
