@@ -1,13 +1,14 @@
 """ScheduleAuto against every fixed candidate of its placement, on deliberately unequal stages.
 
-    PYTHONPATH=. python benchmarks/bench_autotune.py                 # one-stage and V placements
+    PYTHONPATH=. python benchmarks/bench_autotune.py                 # one-stage, V and looped placements
     PYTHONPATH=. python benchmarks/bench_autotune.py --placements one --reps 5
 
 pp=2, two spawned ranks joined by Gloo (zbpipe.train.launcher), one intra-op thread per rank,
 fp32 CPU, 8 microbatches of 64 rows. The model: light stages (Linear(256, 256) + GELU) and a
 last stage that is an LM-head-like Linear(256, VOCAB) whose loss is a cross-entropy over VOCAB
 classes, about three times a light stage's work. One stage per rank: stage 0 light, stage 1
-the head. V: stages 0-2 light, stage 3 the head (on rank 0, with stage 0).
+the head. V: stages 0-2 light, stage 3 the head (on rank 0, with stage 0). Looped: the same four
+stages, rank r holding r and r+2 (the head on rank 1).
 
 Every fixed candidate of the placement (ScheduleAuto's list; the cost-driven ones compiled at
 unit costs, as a user without measurements would) and ScheduleAuto (tuned over its first two
@@ -53,7 +54,9 @@ def _modules(placement: str) -> tuple[list[nn.Module], int]:
 
 
 def _mine(placement: str, rank: int) -> list[int]:
-    return [rank] if placement == "one" else [rank, 2 * PP - 1 - rank]
+    if placement == "one":
+        return [rank]
+    return [rank, 2 * PP - 1 - rank] if placement == "v" else [rank, rank + PP]
 
 
 def _stages(mods, n, mine):
@@ -137,7 +140,7 @@ def _bench(rank: int, world: int, a: dict) -> None:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--placements", default="one,v", help="comma list of one, v")
+    p.add_argument("--placements", default="one,v,looped", help="comma list of one, v, looped")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--budget-fraction", type=float, default=0.95)
