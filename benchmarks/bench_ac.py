@@ -29,7 +29,7 @@ step, so drift on a shared machine hits all of them):
   measured per-stage F, I, W (B) and a Gloo send's latency (`comm`), and `pred AC/none` its
   ratio: the same comparison with the timing noise of the step's waits taken out; `CPU pred
   AC/none` the same fed with each action's thread CPU time (the trace's `cpu_ns`), which leaves
-  out what other processes took of the rank's core: on a shared machine the one to read;
+  out the time other processes took of the rank's core (not what they do to its caches);
 - `held MiB r0 / r1`: in one extra, untimed step, the largest total, sampled after every
   compute action, of the bytes of the live storages an op made during the step (saved
   activations, recomputed tensors, captured gradients, receive buffers, kept outputs; not
