@@ -45,6 +45,7 @@ py::dict trace_record_to_py(const runtime::TraceRecord& r) {
   d["host_start_ns"] = r.host_start_ns;
   d["host_end_ns"] = r.host_end_ns;
   d["wait_ns"] = r.wait_ns;
+  d["cpu_ns"] = r.cpu_ns;
   d["worker"] = r.worker;
   d["device_start_us"] = r.device_start_us;
   d["device_end_us"] = r.device_end_us;

@@ -7,6 +7,7 @@
 #include <ATen/ops/zeros_like.h>
 
 #include "runtime/errors.h"
+#include "runtime/host_memory.h"
 #include "runtime/trace_scope.h"
 #include "zbpipe/cancel.h"
 #include "zbpipe/passes.h"
@@ -74,6 +75,8 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
     }
   }
   adopt_stages(std::move(stages));
+  // CPU compute reallocates the same large blocks every action (host_memory.h).
+  if (p2p_->device().is_cpu()) keep_freed_host_memory();
   for (const Entry& e : table_.entries)
     trace_.push_back(TraceRecord{e.label, rank_, e.index, static_cast<int>(trace_.size()), e.unit});
   timer_ = std::make_unique<DeviceTimer>(p2p_->device(), options_.device_timing, table_.entries.size());

@@ -2,6 +2,7 @@
 #include "runtime/trace.h"
 
 #include <chrono>
+#include <ctime>
 #include <cstdio>
 #include <fstream>
 
@@ -13,6 +14,14 @@ int64_t now_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
       .count();
+}
+
+int64_t thread_cpu_ns() {
+#if defined(CLOCK_THREAD_CPUTIME_ID)
+  timespec ts{};
+  if (clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts) == 0) return int64_t{ts.tv_sec} * 1000000000 + ts.tv_nsec;
+#endif
+  return 0;
 }
 
 namespace {

@@ -18,6 +18,8 @@ struct TraceRecord {
   int64_t host_start_ns = 0; // steady clock (CLOCK_MONOTONIC): comparable across ranks of a host
   int64_t host_end_ns = 0;
   int64_t wait_ns = 0;       // part of the host time spent waiting for a receive
+  int64_t cpu_ns = 0;        // CPU time of the thread that ran it (its receive wait included):
+                             // the host time less what other processes took of this core
   bool worker = false;       // ran on the executor's worker thread (OVERLAP_F_B's backward half),
                              // overlapping the host records around it
   // Relative to the step's first device event; -1 if untimed. The start is taken after the
@@ -27,6 +29,7 @@ struct TraceRecord {
 };
 
 int64_t now_ns();
+int64_t thread_cpu_ns();  // the calling thread's CPU time (0 where the platform has no such clock)
 
 // Chrome trace ("traceEvents", complete events): pid = rank, tid 0 host, tid 1 device; a
 // worker record sits on the host lane too, with args.worker = 1.

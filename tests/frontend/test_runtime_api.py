@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -76,6 +77,11 @@ def test_trace_records_every_action_and_exports_chrome_json(spawn_world, tmp_pat
         for r in res["trace"]:
             assert r["rank"] == rank and r["host_end_ns"] >= r["host_start_ns"] >= 0
             assert 0 <= r["wait_ns"] <= r["host_end_ns"] - r["host_start_ns"]
+            # The thread's CPU time: within the host time (1 ms for the clocks' granularity),
+            # and more than nothing for a compute action (a forward or backward of a Linear).
+            assert r["cpu_ns"] <= r["host_end_ns"] - r["host_start_ns"] + 1_000_000
+            if re.fullmatch(r"\d+[FBIW]\d+", r["action"]):
+                assert r["cpu_ns"] > 0, r
             assert r["device_start_us"] == -1.0  # CPU: host times only
         assert [e["name"] for e in res["events"]] == [r["action"] for r in res["trace"]]
         assert all(e["ph"] == "X" and e["pid"] == rank for e in res["events"])
