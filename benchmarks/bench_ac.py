@@ -200,7 +200,7 @@ class _Run:
         self.mods = {s: Stage(model, ac, s * per, per, m) for s in self.mine}
         stages = [zbpipe.PipelineStage(self.mods[s], s, n, "cpu") for s in self.mine]
         self.sched = zbpipe.get_schedule_class(name)(stages if len(stages) > 1 else stages[0], m,
-                                                    loss_fn=F.mse_loss)
+                                                    loss_fn=F.mse_loss, device_timing=True)  # cpu_ns
         g = torch.Generator().manual_seed(1)
         shape = SHAPES[model]
         self.x = torch.randn((shape[0] * m, *shape[1:]), generator=g)

@@ -123,7 +123,8 @@ class PipelineSchedule:
             forward, so a step under no_grad that would run it raises RuntimeError naming
             the kinds, with either value.
         timeout: seconds any single wait may take before the step fails on this rank.
-        device_timing: record per-action device times (accelerators) in trace().
+        device_timing: record per-action device times (accelerators) and each action's thread CPU
+            time (cpu_ns) in trace().
         compile_options: extra zbpipe.compile() arguments, e.g. for zb_auto
             dict(f=..., b=..., w=..., comm=..., memory_cap=...) (measured stage costs).
         prepost_receives: post every receive of a step when it starts (a send then finds its

@@ -19,7 +19,7 @@ void record_on_stream(const at::Tensor& t, const c10::Stream& stream) {
 }
 
 DeviceTimer::DeviceTimer(const c10::Device& device, bool enabled, size_t actions)
-    : device_(device), enabled_(enabled && device_has_events(device)) {
+    : device_(device), requested_(enabled), enabled_(enabled && device_has_events(device)) {
   if (!enabled_) return;
   begin_.reserve(actions);
   end_.reserve(actions);

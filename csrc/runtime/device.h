@@ -29,6 +29,9 @@ class DeviceTimer {
  public:
   DeviceTimer(const c10::Device& device, bool enabled, size_t actions);
   bool enabled() const { return enabled_; }
+  // Timing was asked for (device_timing): the scopes also read their thread's CPU time, a
+  // system call per read (about 1 us here), so only then.
+  bool cpu_timing() const { return requested_; }
   void start_step();
   // Records entry i's start (end=false) or end event on the compute stream; marking the start
   // again moves it later (after a stream's wait for a receive).
@@ -38,6 +41,7 @@ class DeviceTimer {
 
  private:
   c10::Device device_;
+  bool requested_ = false;
   bool enabled_ = false;
   std::vector<c10::Event> begin_, end_;
   std::vector<uint8_t> marked_;

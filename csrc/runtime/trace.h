@@ -18,8 +18,9 @@ struct TraceRecord {
   int64_t host_start_ns = 0; // steady clock (CLOCK_MONOTONIC): comparable across ranks of a host
   int64_t host_end_ns = 0;
   int64_t wait_ns = 0;       // part of the host time spent waiting for a receive
-  int64_t cpu_ns = 0;        // CPU time of the thread that ran it (its receive wait included):
-                             // the host time less what other processes took of this core
+  int64_t cpu_ns = -1;       // CPU time of the thread that ran it (its receive wait included):
+                             // the host time less what other processes took of this core;
+                             // -1 unless device timing is on
   bool worker = false;       // ran on the executor's worker thread (OVERLAP_F_B's backward half),
                              // overlapping the host records around it
   // Relative to the step's first device event; -1 if untimed. The start is taken after the

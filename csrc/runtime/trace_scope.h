@@ -1,6 +1,6 @@
 // Times one entry of a step, in the spirit of torch's record_function: the scope's start and
-// end on the host clock, the CPU time of its thread in between and, when device timing is on,
-// events on the compute stream.
+// end on the host clock and, when device timing is on, the CPU time of its thread in between
+// and events on the compute stream.
 #pragma once
 
 #include <cstddef>
@@ -17,7 +17,7 @@ class TraceScope {
   TraceScope(TraceRecord& rec, DeviceTimer& timer, size_t entry)
       : rec_(rec), timer_(timer), entry_(entry), exceptions_(std::uncaught_exceptions()) {
     rec_.host_start_ns = now_ns();
-    cpu_start_ns_ = thread_cpu_ns();
+    if (timer_.cpu_timing()) cpu_start_ns_ = thread_cpu_ns();
     timer_.mark(entry_, false);
   }
   // A scope left by an exception records no end: the step failed and its trace is not read,
@@ -27,7 +27,7 @@ class TraceScope {
     if (std::uncaught_exceptions() > exceptions_) return;
     timer_.mark(entry_, true);
     rec_.host_end_ns = now_ns();
-    rec_.cpu_ns = thread_cpu_ns() - cpu_start_ns_;
+    if (timer_.cpu_timing()) rec_.cpu_ns = thread_cpu_ns() - cpu_start_ns_;
   }
   TraceScope(const TraceScope&) = delete;
   TraceScope& operator=(const TraceScope&) = delete;

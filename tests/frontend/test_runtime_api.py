@@ -40,7 +40,7 @@ def test_unknown_schedule_lists_valid_names():
 def _trace_world(rank, pp, path):
     mods = build("mlp", 2 * pp)
     stages = [zbpipe.PipelineStage(mods[s], s, 2 * pp, "cpu") for s in range(2 * pp) if s % pp == rank]
-    sched = zbpipe.ScheduleInterleaved1F1B(stages, 2 * pp, loss_fn=F.mse_loss, timeout=20)
+    sched = zbpipe.ScheduleInterleaved1F1B(stages, 2 * pp, loss_fn=F.mse_loss, timeout=20, device_timing=True)
     x, y = data("mlp", 4 * pp)
     sched.step(x if rank == 0 else None, target=y) if rank == 0 else sched.step(target=y)
     # A program loaded from PyTorch's CSV layout runs as well (here: this run's own, saved).
@@ -65,7 +65,7 @@ def _trace_world(rank, pp, path):
     sched.export_chrome_trace(out)
     with open(out) as f:
         events = json.load(f)["traceEvents"]
-    return {"trace": sched.trace(), "events": events, "actions": sched.program.actions(rank),
+    return {"trace": sched.trace(), "untimed": loaded.trace(), "events": events, "actions": sched.program.actions(rank),
             "auto_actions": auto_actions, "auto_opts": opts}
 
 
@@ -77,12 +77,14 @@ def test_trace_records_every_action_and_exports_chrome_json(spawn_world, tmp_pat
         for r in res["trace"]:
             assert r["rank"] == rank and r["host_end_ns"] >= r["host_start_ns"] >= 0
             assert 0 <= r["wait_ns"] <= r["host_end_ns"] - r["host_start_ns"]
-            # The thread's CPU time: within the host time (1 ms for the clocks' granularity),
+            # The thread's CPU time (device_timing=True): within the host time (1 ms for the clocks' granularity),
             # and more than nothing for a compute action (a forward or backward of a Linear).
             assert r["cpu_ns"] <= r["host_end_ns"] - r["host_start_ns"] + 1_000_000
             if re.fullmatch(r"\d+[FBIW]\d+", r["action"]):
                 assert r["cpu_ns"] > 0, r
-            assert r["device_start_us"] == -1.0  # CPU: host times only
+            assert r["device_start_us"] == -1.0  # CPU: no device events
+        # Without device_timing no CPU time is read (a system call per read).
+        assert all(r["cpu_ns"] == -1 for r in res["untimed"]), res["untimed"]
         assert [e["name"] for e in res["events"]] == [r["action"] for r in res["trace"]]
         assert all(e["ph"] == "X" and e["pid"] == rank for e in res["events"])
         assert res["auto_actions"] == zbpipe.compile("zb_auto", 2, 4, **res["auto_opts"]).actions(rank)
