@@ -14,7 +14,8 @@ Every fixed candidate of the placement (ScheduleAuto's list; the cost-driven one
 unit costs, as a user without measurements would) and ScheduleAuto (tuned over its first two
 steps, then running its choice) run on the same weights, alternating step by step after warm-up;
 each cell is the median step time on rank 0, between barriers. Printed: each candidate's step,
-ScheduleAuto's step over the best fixed one (goal <= 1.05), its prediction over its measured
+ScheduleAuto's step over the best fixed one (goal <= 1.05) and over the best fixed one whose
+simulated peak fits the budget (those ScheduleAuto may pick), its prediction over its measured
 step (goal within 10%), and its tuning table. `--budget-fraction` (default 0.95) then tunes once
 more with an activation budget that fraction of the safe default's simulated peak (zb_h1 or
 zbv, 1F1B's memory): a budget that schedule does not fit; ScheduleAuto's choice, which must
@@ -111,7 +112,11 @@ def _bench(rank: int, world: int, a: dict) -> None:
                 print(f"| {k} | {v * 1e3:.1f} |")
             print(f"| auto ({auto.choice}) | {med['auto'] * 1e3:.1f} |")
             t = auto.tuning
+            fits = {c.name: c.fits for c in t.candidates}
+            within = {k: v for k, v in fixed.items() if fits.get(k)}  # the fixed ones auto could pick
+            best_within = min(within, key=within.get)
             print(f"\nauto / best fixed ({best}): {med['auto'] / fixed[best]:.3f} (goal <= 1.05); "
+                  f"auto / best fixed within the budget ({best_within}): {med['auto'] / within[best_within]:.3f}; "
                   f"predicted / measured (median): {t.predicted_s / med['auto']:.3f} (goal 0.90-1.10)")
             print(t.table(), flush=True)
             safe = next(c for c in t.candidates if c.name == FAMILIES[placement][0])

@@ -69,7 +69,8 @@ def placement_of(stage_indices: list[int], rank: int, pp: int, num_stages: int) 
 @dataclasses.dataclass
 class Candidate:
     name: str
-    predicted_s: float | None  # simulated makespan under the measured costs (None: not buildable)
+    predicted_s: float | None  # simulated makespan under the measured costs plus the unmodelled
+                               # time (Tuning.overhead_s); None: not buildable
     peak_bytes: list[float]    # simulated peak_memory per rank
     fits: bool
     note: str = ""
@@ -89,12 +90,13 @@ class Tuning:
     choice: str
     predicted_s: float
     measured_step_s: float | None = None  # median wall time of the first steps after the switch, this rank
+    overhead_s: float = 0.0  # the timing step's wall time (slowest rank) less its simulated makespan
     clock: str = "host"  # where the costs were timed: "device" (events) or "host"
     unseen_memory: list = dataclasses.field(default_factory=list)  # stages whose saved bytes were not seen
 
     def table(self) -> str:
         lines = [f"ScheduleAuto tuning at step {self.step} ({self.clock} times): comm {self.comm_s * 1e6:.1f} us, "
-                 f"budget {max(self.budget):.0f} bytes/rank"]
+                 f"budget {max(self.budget):.0f} bytes/rank, unmodelled {self.overhead_s * 1e3:.3f} ms/step"]
         lines.append(f"{'stage':>5} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'mem_f B':>10} {'mem_w B':>10}")
         for s in sorted(self.costs):
             c, d = self.costs[s], self.deltas.get(s, {})
@@ -214,8 +216,9 @@ class ScheduleAuto:
                 f"(step {self._steps - 1}) and the one that measures times (step {self._steps})): "
                 "measurements of two shapes plan for neither. Tune on steps of one shape "
                 "(retune_every=None, or a period that starts after the shapes settle)")
+        start = time.perf_counter()
         out = pending["measuring"].step(*args, **kwargs)
-        self._tune(pending["measuring"], pending["deltas"])
+        self._tune(pending["measuring"], pending["deltas"], time.perf_counter() - start)
         return out
     def eval(self, *args, **kwargs):
         return self._current.eval(*args, **kwargs)
@@ -247,10 +250,10 @@ class ScheduleAuto:
         kinds = {a.kind for a in program.action_values(self._rank) if a.is_compute}
         return _C.Kind.B not in kinds and _C.Kind.I in kinds
 
-    def _measurements(self, measuring: PipelineSchedule, deltas: dict) -> dict:
+    def _measurements(self, measuring: PipelineSchedule, deltas: dict, step_s: float) -> dict:
         costs = profile_from_trace(measuring.trace(), clock=self._clock)
-        return dict(rank=self._rank, num_stages=self._num_stages, microbatches=self._n,
-                    costs=costs, deltas=deltas, comm_s=self._p2p_latency(measuring))
+        return dict(rank=self._rank, num_stages=self._num_stages, microbatches=self._n, costs=costs,
+                    deltas=deltas, comm_s=self._p2p_latency(measuring), step_s=step_s)
 
     def _p2p_latency(self, measuring: PipelineSchedule) -> float:
         """One hop of a boundary-sized message: rank 0 passes a token around the ring (each rank
@@ -288,7 +291,7 @@ class ScheduleAuto:
         dist.all_gather_object(every, mine, group=self._group)
         return every
 
-    def _merge(self, every: list[dict]) -> tuple[dict, dict, float]:
+    def _merge(self, every: list[dict]) -> tuple[dict, dict, float, float]:
         """The pipeline's costs and deltas per stage; ScheduleError where ranks disagree."""
         costs, deltas = {}, {}
         for m in every:
@@ -305,7 +308,7 @@ class ScheduleAuto:
         if sorted(costs) != list(range(self._num_stages)):
             raise _C.ScheduleError(
                 f"ScheduleAuto: the ranks measured stages {sorted(costs)}, want 0..{self._num_stages - 1}")
-        return costs, deltas, max(m["comm_s"] for m in every)
+        return costs, deltas, max(m["comm_s"] for m in every), max(m["step_s"] for m in every)
 
     def _under_budget(self, name: str, opts: dict, budget: list[float]) -> _C.Program:
         """A cost-driven candidate (zb_auto, v_half, v_min) planned under the budget. Their cap
@@ -322,9 +325,9 @@ class ScheduleAuto:
         scaled["mem_w"] = [m * scale[s] for s, m in enumerate(opts["mem_w"])]
         return _compile(name, self._pp, self._n, self._spr, **scaled, memory_cap=cap)
 
-    def _tune(self, measuring: PipelineSchedule, deltas: dict) -> None:
-        mine = self._measurements(measuring, deltas)
-        costs, deltas, comm = self._merge(self._gather(mine))
+    def _tune(self, measuring: PipelineSchedule, deltas: dict, step_s: float) -> None:
+        mine = self._measurements(measuring, deltas, step_s)
+        costs, deltas, comm, step_s = self._merge(self._gather(mine))
         model = compile_costs({s: {**costs[s], **deltas[s]} for s in costs}, self._num_stages)
         # A stage whose saved tensors the probe cannot see (packed by hooks inside its module,
         # memory_probe.py) measures 0 bytes: it plans as 1 byte, and the table says so.
@@ -333,6 +336,10 @@ class ScheduleAuto:
         model["mem_w"] = [min(w, f) for w, f in zip(model["mem_w"], model["mem_f"])]
         sim = dict(f=model["f"], b=model["b"], w=model["w"], comm=comm, mem_f=model["mem_f"], mem_w=model["mem_w"])
         safe_peak = list(simulate(_compile(self._safe, self._pp, self._n, self._spr), **sim).peak_memory)
+        # What the simulator does not model (dispatch, message posting, the loss's host work):
+        # the timing step's wall time less its simulation, one number per step for every
+        # candidate (they run the same actions and messages; the ranking is the simulator's).
+        overhead = step_s - simulate(measuring.program, **sim).makespan
         budget = safe_peak if self._budget is None else [float(self._budget)] * self._pp
         candidates, programs = [], {}
         for name in self._names:
@@ -348,7 +355,7 @@ class ScheduleAuto:
             res = simulate(prog, **sim)
             peak = list(res.peak_memory)
             fits = all(p <= b * (1 + 1e-9) for p, b in zip(peak, budget))
-            candidates.append(Candidate(name, res.makespan, peak, fits))
+            candidates.append(Candidate(name, res.makespan + overhead, peak, fits))
             programs[name] = prog
         fitting = [c for c in candidates if c.fits]
         if not fitting:
@@ -362,7 +369,7 @@ class ScheduleAuto:
         least = min(c.predicted_s for c in fitting)
         best = next(c for c in fitting if c.predicted_s <= least * (1 + 1e-9))
         self.tuning = Tuning(self._steps, costs, deltas, comm, budget, candidates, best.name, best.predicted_s,
-                             clock=self._clock, unseen_memory=unseen)
+                             overhead_s=overhead, clock=self._clock, unseen_memory=unseen)
         self._after = []
         self.history.append(self.tuning)
         chosen = programs[best.name]

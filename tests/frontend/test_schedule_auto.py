@@ -50,7 +50,8 @@ def _train(rank, pp, placement):
     t = sched.tuning
     return dict(grads=grads, programs=programs, choice=sched.choice, table=t.table(), costs=t.costs,
                 deltas=t.deltas, candidates=[(c.name, c.predicted_s, c.peak_bytes, c.fits) for c in t.candidates],
-                measured=t.measured_step_s, predicted=t.predicted_s, safe=FAMILIES[sched.placement][0])
+                measured=t.measured_step_s, predicted=t.predicted_s, safe=FAMILIES[sched.placement][0],
+                overhead=t.overhead_s, comm=t.comm_s)
 
 
 @pytest.mark.parametrize("placement", sorted(LAYOUTS))
@@ -79,6 +80,15 @@ def test_exact_gradients_and_one_program_across_the_switch(spawn_world, placemen
     for name in names:
         assert name in res["table"]
     assert f"choice: {res['choice']}" in res["table"] and "<- chosen" in res["table"], res["table"]
+    # A prediction is the simulated makespan under the measured costs plus the unmodelled time
+    # (the timing step's wall time less its own simulation), the same for every candidate.
+    from zbpipe.stage_costs import compile_costs
+    sim = compile_costs(res["costs"], len(LAYOUTS[placement]))
+    safe_sim = zbpipe.simulate(zbpipe.compile(res["safe"], PP, M, len(LAYOUTS[placement]) // PP),
+                               f=sim["f"], b=sim["b"], w=sim["w"], comm=res["comm"]).makespan
+    predicted = dict((c[0], c[1]) for c in res["candidates"])
+    assert predicted[res["safe"]] == pytest.approx(safe_sim + res["overhead"], rel=1e-9), (predicted, safe_sim)
+    assert "unmodelled" in res["table"]
 
 
 def _budgets(rank, pp):
@@ -129,7 +139,7 @@ def _disagree(rank, pp):
     sched, stages, _ = _auto(rank, pp, "one")
     if rank == 1:
         real = sched._measurements
-        sched._measurements = lambda m, d: {**real(m, d), "num_stages": 3}
+        sched._measurements = lambda *a: {**real(*a), "num_stages": 3}
     try:
         _tune(sched, stages)
     except zbpipe.ScheduleError as e:
