@@ -310,7 +310,28 @@ class ListScheduler {
     const double before = (last - next_f_[s0]) * per_.f(s0) + (f1 - next_f_[s1]) * per_.f(s1) +
                           std::max(0, w_done - done_w_[s0] - done_w_[s1]) * std::min(per_.w(s0), per_.w(s1)) +
                           std::max(0, w_done - next_i_[s0] - next_i_[s1]) * std::min(per_.b(s0), per_.b(s1));
-    return rk.sim_clock + before + tail_[s0];
+    return std::max(rk.sim_clock + before + tail_[s0], v_chain_bound(r, cap));
+  }
+
+  // [Note: the V chain bound] Under the same memory, microbatch k enters rank r (F on s0) only
+  // with at most cap - 2 units held, so at most cap - 2 of the s0 units of microbatches before
+  // k are still live: W(s0, k - c) has ended, c = cap - 1 (a stage's W run in microbatch order,
+  // after its I). That W ends at least tail_[s0] after its F started, so F(s0, k) starts at
+  // least tail_[s0] after F(s0, k - c) started. Chained from the last microbatch down to one
+  // that has started (its start known) or to the first that has not (at the rank's clock at
+  // the earliest), and the last microbatch's own round trip after it: the rank's last end.
+  // Where the clock and work left amortise the wait for memory, this counts one whole round
+  // trip per c microbatches, which stops runs that fall behind far sooner.
+  double v_chain_bound(int r, int cap) const {
+    const RankState& rk = ranks_[r];
+    const int s0 = rk.stage[0], next = next_f_[s0], last = m_ - 1, c = cap - 1;
+    if (c < 1 || next > last) return 0.0;
+    const int steps = (last - next) / c + 1;  // the chain's first known link is last - steps * c
+    const int known = last - steps * c;
+    double start = rk.sim_clock + (steps - 1) * tail_[s0];
+    if (known >= 0)
+      start = std::max(start, sim_f_[idx(s0, known)] - per_.f(s0) + steps * tail_[s0]);
+    return start + tail_[s0];
   }
 
   size_t idx(int s, int mb) const { return static_cast<size_t>(s) * m_ + mb; }

@@ -85,8 +85,9 @@ struct ListRunResult {
 // stops (complete=false) as soon as a lower bound of its objective exceeds bound.objective_bar
 // or one of the other metric exceeds bound.other_bar: a rank's last end is at least its clock
 // plus its remaining work, or its last microbatch's drain (one stage per rank, or a V rank
-// under whole-microbatch memory), and rank 0's at least a later rank's last I plus that
-// microbatch's way back; a span is a last end less the rank's first start.
+// under whole-microbatch memory, where the cap also forces one round trip per cap - 1
+// microbatches: [Note: the V chain bound]), and rank 0's at least a later rank's last I plus
+// that microbatch's way back; a span is a last end less the rank's first start.
 struct RunBound {
   Objective objective = Objective::kMakespan;
   double objective_bar = std::numeric_limits<double>::infinity();

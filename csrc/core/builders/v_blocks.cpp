@@ -16,11 +16,25 @@ namespace zbpipe::detail {
 
 namespace {
 
-// Actions the refinement may time (refine.h): up to about 15 ms on a 2-CPU machine whatever
-// the size. At pp=32, m=128 v_half's search plus this stays under the 50 ms budget of issue #20;
-// 1M takes V-Half at p=8, m=24 (1.5B costs) from the reference's 0.1702 to 0.1687 (3M: 0.1671,
-// at 45 ms of its own). See docs/benchmarks.md#compile-time-of-the-searched-schedules.
+// Actions the refinement may time (refine.h), on programs of up to kFullRefineActions
+// actions: about 15 ms on a 2-CPU machine. 1M takes V-Half at p=8, m=24 (1.5B costs) from the
+// reference's 0.1702 to 0.1687 (3M: 0.1671, at 45 ms of its own).
 constexpr long kVRefineBudget = 1'000'000;
+
+// Larger programs get kVRefineBudget * kFullRefineActions / actions, so that the refinement's
+// time (about proportional to its budget) falls while the search's grows: at p=32, m=128
+// (24576 actions) a third, about 5 ms, which keeps compile under issue #20's 50 ms there. The
+// full budget kept no move on either V schedule under the 1.5B or 28.3B costs from p=16, m=64
+// up; over 104 programs above this size (p 8..32, those costs and jittered ones) the cut
+// changed none. See docs/benchmarks.md#compile-time-of-the-searched-schedules.
+constexpr long kFullRefineActions = 8192;
+
+long refine_budget(const Program& p) {
+  long actions = 0;
+  for (const auto& rank : p.ranks) actions += static_cast<long>(rank.size());
+  if (actions <= kFullRefineActions) return kVRefineBudget;
+  return kVRefineBudget * kFullRefineActions / actions;
+}
 
 // One rank's compute order: the block's passes at their slots, each free slot taking the oldest
 // pending W (the paper's W placement), the W left over drained at the end.
@@ -120,7 +134,7 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
   // papers report) without raising the makespan, within the same cap.
   RefineOptions refine;
   refine.objective = Objective::kSpan;
-  refine.budget = kVRefineBudget;
+  refine.budget = refine_budget(best);
   refine.target = span_lower_bound(shell, a.costs, a.memory, cap).max_span;
   return refine_order(best, a.costs, a.memory, cap, refine);
 }
