@@ -181,8 +181,8 @@ class ScheduleAuto:
         pack hooks slow it, and a first step also warms up), the second the times; the ranks
         then gather, plan and switch for the step after."""
         self._steps += 1
-        # A tuning starts at step 1 (or the first step after one that failed before any tuning
-        # ended) and, with retune_every, at steps kN + 1.
+        # A tuning starts at step 1 (or, until one ends, at the step after one a shape change
+        # refused) and, with retune_every, at steps kN + 1.
         due = self.tuning is None or (self._retune is not None and (self._steps - 1) % self._retune == 0)
         if due and self._pending is None:
             return self._memory_step(args, kwargs)

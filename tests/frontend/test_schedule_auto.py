@@ -255,13 +255,19 @@ def _shape_change(rank, pp):
     try:
         sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
     except zbpipe.ScheduleError as e:
-        return str(e)
-    return "no error"
+        msg = str(e)
+    else:
+        return "no error", None
+    for _ in range(2):
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+    return msg, [t.step for t in sched.history]
 
 
 def test_a_shape_change_during_a_tuning_fails_every_rank_before_the_step(spawn_world):
-    for msg in spawn_world(PP).run(_shape_change, timeout_s=120):
+    for msg, after in spawn_world(PP).run(_shape_change, timeout_s=120):
         assert "shapes changed during a tuning (on rank(s) [0, 1]" in msg and "step 1" in msg, msg
+        # The refused step ran nothing: the next two steps, of the new shape, tune afresh.
+        assert after == [4], after
 
 
 def test_retune_every_below_two_is_refused():
@@ -318,3 +324,4 @@ def test_v_candidates_plan_under_the_budget_in_bytes(spawn_world):
         predicted, peak, fits = cands[name]
         assert fits and all(p <= b * (1 + 1e-9) for p, b in zip(peak, budget)), (name, cands, budget)
         assert predicted <= cands["zbv"][0] * (1 + 1e-9), (name, cands)  # never behind zbv here
+
