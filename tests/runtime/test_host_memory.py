@@ -8,14 +8,11 @@ of a CPU schedule it stays in the process."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
+from helpers.subprocess_env import NEUTRAL_CWD, child_env
 
 CHILD = """
 import torch, torch.distributed as dist, torch.nn.functional as F
@@ -43,11 +40,12 @@ dist.destroy_process_group()
 
 def _returned(keep: str | None) -> tuple[int, int]:
     """MiB a freed 64 MiB tensor gives back to the kernel, before and after a step."""
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = child_env()  # the zbpipe this process imported (the installed one in CI)
     env.pop("ZBPIPE_KEEP_HOST_MEMORY", None)
     if keep is not None:
         env["ZBPIPE_KEEP_HOST_MEMORY"] = keep
-    out = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", CHILD], env=env, cwd=NEUTRAL_CWD, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stderr
     before, after = map(int, out.stdout.split()[-2:])
     return before, after
