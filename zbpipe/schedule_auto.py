@@ -319,8 +319,7 @@ class ScheduleAuto:
         memory is scaled by cap / its rank's budget: "scaled memory <= cap" is then "memory <=
         the rank's own budget", and memory steers only the cap, never the times."""
         cap = max(budget)
-        pp = self._pp
-        rank_of = [2 * pp - 1 - s if self.placement == "v" and s >= pp else s % pp for s in range(self._num_stages)]
+        rank_of = self._schedules[self._safe].program.stage_to_rank  # the placement's, as every candidate's
         scale = [cap / budget[rank_of[s]] if budget[rank_of[s]] > 0 else 1.0 for s in range(self._num_stages)]
         scaled = dict(opts)
         scaled["mem_f"] = [m * scale[s] for s, m in enumerate(opts["mem_f"])]
@@ -337,7 +336,7 @@ class ScheduleAuto:
         model["mem_f"] = [max(v, 1.0) for v in model["mem_f"]]
         model["mem_w"] = [min(w, f) for w, f in zip(model["mem_w"], model["mem_f"])]
         sim = dict(f=model["f"], b=model["b"], w=model["w"], comm=comm, mem_f=model["mem_f"], mem_w=model["mem_w"])
-        safe_peak = list(simulate(_compile(self._safe, self._pp, self._n, self._spr), **sim).peak_memory)
+        safe_peak = list(simulate(self._schedules[self._safe].program, **sim).peak_memory)
         # What the simulator does not model (dispatch, message posting, the loss's host work):
         # the timing step's wall time less its simulation, one number per step for every
         # candidate (they run the same actions and messages; the ranking is the simulator's).

@@ -223,10 +223,7 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
       return;
     case Kind::B:
     case Kind::I:
-      if (e.needs_recv) {
-        comms_->wait(slot(e.local, e.mb).grad_in, rec.wait_ns);
-        timer_->mark(rec.entry, false);  // device time starts after the stream's wait: compute only
-      }
+      if (e.needs_recv) await_input(slot(e.local, e.mb).grad_in, rec);
       backward(e, nullptr);
       return;
     case Kind::W:
@@ -244,13 +241,15 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
   ZB_CHECK(false, "a dispatch entry holds '", kind_name(e.kind), "'");
 }
 
+void Executor::await_input(Inbox& in, TraceRecord& rec) {
+  comms_->wait(in, rec.wait_ns);
+  timer_->mark(rec.entry, false);  // after the stream's wait for the receive
+}
+
 void Executor::forward(const Entry& e, TraceRecord& rec) {
   LocalStage& st = stages_[e.local];
   Slot& sl = st.slot(e.mb);
-  if (e.needs_recv) {
-    comms_->wait(sl.fwd_in, rec.wait_ns);
-    timer_->mark(rec.entry, false);  // device time starts after the stream's wait: compute only
-  }
+  if (e.needs_recv) await_input(sl.fwd_in, rec);
   auto inputs = std::move(sl.fwd_in.tensors);
   sl.fwd_in.tensors.clear();
   const auto& in_specs = st.shapes.sigs.inputs.specs;

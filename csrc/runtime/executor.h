@@ -160,6 +160,8 @@ class Executor {
   // the step (here and in a custom function's part alike).
   void run_synced(const Entry& e, TraceRecord& rec);
   void forward(const Entry& e, TraceRecord& rec);
+  // Waits for an action's received input; its device time then starts anew (compute only).
+  void await_input(Inbox& in, TraceRecord& rec);
   // B or I after its receive. `consumer`: on the worker, the caller's stream, on which the
   // tensors made here are recorded.
   void backward(const Entry& e, const c10::Stream* consumer);

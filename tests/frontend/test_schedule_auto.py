@@ -185,18 +185,23 @@ def test_plan_from_saved_traces(spawn_world, tmp_path, capsys):
     assert "simulated step:" in out and f"mem_f {profile[1]['mem_f']} B" in out and "bytes" in out, out
 
 
-def _unequal(rank, pp):
-    """One stage per rank, the last saving about 30x the first's bytes per microbatch: the
-    safe default's peak (the budget when none is given) differs per rank."""
+def _unequal_tuning(rank, placement):
+    """The last stage saving about 30x a light stage's bytes per microbatch, so the safe
+    default's peak (the budget when none is given) differs per rank; the tuning of its two steps."""
     torch.manual_seed(0)
     width = data("mlp", 1)[0].shape[-1]
-    mods = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()),
-            torch.nn.Sequential(torch.nn.Linear(width, 512), torch.nn.Tanh(), torch.nn.Linear(512, width))]
-    sched = zbpipe.ScheduleAuto(zbpipe.PipelineStage(mods[rank], rank, PP, "cpu"), M, loss_fn=F.mse_loss, timeout=60)
-    x, y = data("mlp", 2 * M, seed=1)
-    for _ in range(2):
-        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
-    t = sched.tuning
+    layout = LAYOUTS[placement]
+    mods = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in layout[1:]]
+    mods.append(torch.nn.Sequential(torch.nn.Linear(width, 512), torch.nn.Tanh(), torch.nn.Linear(512, width)))
+    stages = [zbpipe.PipelineStage(mods[s], s, len(layout), "cpu") for s, r in enumerate(layout) if r == rank]
+    sched = zbpipe.ScheduleAuto(stages, M, loss_fn=F.mse_loss, timeout=60)
+    _tune(sched, stages)
+    return sched.tuning
+
+
+def _unequal(rank, pp):
+    """One stage per rank: the heavy stage alone on rank 1."""
+    t = _unequal_tuning(rank, "one")
     return t.budget, {c.name: (c.predicted_s, c.fits) for c in t.candidates}
 
 
@@ -297,21 +302,9 @@ def test_profile_from_trace_takes_device_times_where_the_trace_has_them(tmp_path
 
 
 def _unequal_v(rank, pp):
-    """V placement, the last stage (on rank 0, beside stage 0) saving about 30x a light stage's
-    bytes per microbatch: the paper's V caps, counted in microbatches of both stages, sit
-    above zbv's peak in bytes."""
-    torch.manual_seed(0)
-    width = data("mlp", 1)[0].shape[-1]
-    light = lambda: torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh())  # noqa: E731
-    heavy = torch.nn.Sequential(torch.nn.Linear(width, 512), torch.nn.Tanh(), torch.nn.Linear(512, width))
-    mods = [light(), light(), light(), heavy]
-    mine = [rank, 2 * pp - 1 - rank]
-    sched = zbpipe.ScheduleAuto([zbpipe.PipelineStage(mods[s], s, 2 * pp, "cpu") for s in mine], M,
-                                loss_fn=F.mse_loss, timeout=60)
-    x, y = data("mlp", 2 * M, seed=1)
-    for _ in range(2):
-        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 0 else None)
-    t = sched.tuning
+    """V placement, the heavy stage on rank 0 beside stage 0: the paper's V caps, counted in
+    microbatches of both stages, sit above zbv's peak in bytes."""
+    t = _unequal_tuning(rank, "v")
     return t.budget, {c.name: (c.predicted_s, c.peak_bytes, c.fits) for c in t.candidates}
 
 

@@ -83,16 +83,17 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
   // The paper's cap: cap_units / 2 microbatches of both of a rank's stages, in mem_f's units.
   // Any other memory_cap (one number for every rank, in mem_f's units) is searched under: the
   // block layouts then seed the search only where they fit it.
+  std::vector<double> one_each(a.pp);  // one microbatch of both of a rank's stages
+  for (int r = 0; r < a.pp; ++r) one_each[r] = a.memory.forward(r) + a.memory.forward(2 * a.pp - 1 - r);
   bool paper_cap = true;  // memory_cap 0, or the paper's cap on every rank
   for (int r = 0; r < a.pp && a.memory_cap != 0.0; ++r) {
-    const double paper = cap_units / 2 * (a.memory.forward(r) + a.memory.forward(2 * a.pp - 1 - r));
+    const double paper = cap_units / 2 * one_each[r];
     paper_cap = paper_cap && std::abs(a.memory_cap - paper) <= 1e-9 * paper;
   }
   std::vector<double> cap(a.pp);
   for (int r = 0; r < a.pp; ++r) {
-    const double one_each = a.memory.forward(r) + a.memory.forward(2 * a.pp - 1 - r);
-    cap[r] = paper_cap ? cap_units / 2 * one_each : a.memory_cap;
-    ZB_SCHEDULE_CHECK(cap[r] >= one_each * (1 - 1e-12), name, " needs memory_cap >= ", one_each,
+    cap[r] = paper_cap ? cap_units / 2 * one_each[r] : a.memory_cap;
+    ZB_SCHEDULE_CHECK(cap[r] >= one_each[r] * (1 - 1e-12), name, " needs memory_cap >= ", one_each[r],
                       " on rank ", r, " (one microbatch of both its stages, in mem_f's units), got ",
                       a.memory_cap);
   }
@@ -114,10 +115,8 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
   std::vector<std::vector<int>> warmups{std::vector<int>(a.pp, cap_units)};
   if (!paper_cap) {
     std::vector<int> held(a.pp);
-    for (int r = 0; r < a.pp; ++r) {
-      const double one_each = a.memory.forward(r) + a.memory.forward(2 * a.pp - 1 - r);
-      held[r] = std::min(2 * a.microbatches, 2 * static_cast<int>(std::floor(cap[r] / one_each * (1 + 1e-12))));
-    }
+    for (int r = 0; r < a.pp; ++r)
+      held[r] = std::min(2 * a.microbatches, 2 * static_cast<int>(std::floor(cap[r] / one_each[r] * (1 + 1e-12))));
     if (held != warmups[0]) warmups.push_back(held);
   }
   Program reordered = shell;
