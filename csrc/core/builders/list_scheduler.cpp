@@ -10,6 +10,10 @@
 // changes: after the rank acts or wakes, and after a neighbour ends an action it consumes. A
 // tournament tree over the ranks' proposals finds the next one; a run is O(actions * log pp).
 //
+// A run can also play every grid point of a policy set at once and fork where they part
+// (ListRun): a knob check that splits the set hands the points that decide otherwise a copy of
+// the run as it stands, to resume on their own, so a common prefix is played once.
+//
 // Alongside, each committed action is timed the way zbpipe::simulate would time the finished
 // program (it starts when its rank's previous action ends and its inputs are there, which can be
 // earlier than the scheduler's clock after a deliberate wait), so the run returns the simulator's
@@ -19,6 +23,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <memory>
 #include <utility>
 
 #include "../stage_values.h"
@@ -49,13 +54,8 @@ PolicySet PolicySet::all(const PolicyGrid& g) {
   return s;
 }
 
-bool PolicySet::contains(const PolicyIndex& at) const {
-  for (int k = 0; k < kNumKnobs; ++k)
-    if (!(bits[k] >> at[k] & 1u)) return false;
-  return true;
-}
-
-namespace {
+// Named (not anonymous): ListRun in list_scheduler.h holds a ListScheduler.
+namespace list_run {
 
 constexpr double kNever = std::numeric_limits<double>::infinity();
 constexpr double kEps = 1e-9;
@@ -114,76 +114,126 @@ class ProposalTree {
   std::vector<Key> node_;  // heap layout: node_[leaves_ + r] is rank r's proposal
 };
 
+// Per (stage, microbatch) times, microbatch-major and grown as microbatches are reached, so a
+// fork copies only what its run has reached (a stopped run seldom gets far).
+class MicrobatchTimes {
+ public:
+  MicrobatchTimes(int stages, double absent) : ns_(stages), absent_(absent) {}
+  double get(int s, int mb) const {
+    const size_t i = index(s, mb);
+    return i < v_.size() ? v_[i] : absent_;
+  }
+  void set(int s, int mb, double t) {
+    const size_t i = index(s, mb);
+    if (i >= v_.size()) v_.resize(static_cast<size_t>(mb + 1) * ns_, absent_);
+    v_[i] = t;
+  }
+  void reserve(int microbatches) { v_.reserve(static_cast<size_t>(microbatches) * ns_); }
+
+ private:
+  size_t index(int s, int mb) const { return static_cast<size_t>(mb) * ns_ + s; }
+  int ns_;
+  double absent_;
+  std::vector<double> v_;
+};
+
+// What the runs of one search share and never change: the inputs and the tables derived from
+// them (a fork copies only a run's own state).
+struct ListTables {
+  ListTables(const Program& shell, const CostModel& costs, const MemoryModel& memory,
+             const std::vector<double>& cap, const PolicyGrid& grid);
+  const Program& shell;  // topology and sizes; its rank lists are not read
+  const std::vector<double>& cap;
+  const PolicyGrid& grid;
+  const double comm;
+  const StageTable per;            // per-stage costs and memory deltas
+  std::vector<double> tail;        // per stage: least time from F start to W end
+  std::vector<double> to_first;    // per stage: least time from its I end to W(0) end
+};
+
+ListTables::ListTables(const Program& shell, const CostModel& costs, const MemoryModel& memory,
+                       const std::vector<double>& cap, const PolicyGrid& grid)
+    : shell(shell), cap(cap), grid(grid), comm(costs.comm), per(shell.num_stages, costs, memory) {
+  const int ns = shell.num_stages;
+  auto same_rank = [&](int a, int b) { return shell.stage_to_rank[a] == shell.stage_to_rank[b]; };
+  // tail[s]: the least time from the start of F(s, mb) to the end of W(s, mb): the forwards
+  // down to the last stage, the backward-inputs back, W, and comm at each change of rank.
+  tail.assign(ns, 0.0);
+  for (int s = ns - 1; s >= 0; --s) {
+    const double hop = s + 1 < ns && !same_rank(s, s + 1) ? 2.0 * comm : 0.0;
+    tail[s] = per.f(s) + per.b(s) + (s + 1 < ns ? tail[s + 1] - per.w(s + 1) + hop : 0.0) + per.w(s);
+  }
+  // to_first[s]: the least time from the end of I(s, mb) to the end of W(0, mb): the
+  // backward-inputs down to stage 0, with comm at each change of rank, and stage 0's W.
+  to_first.assign(ns, 0.0);
+  for (int s = 1; s < ns; ++s)
+    to_first[s] = to_first[s - 1] + (same_rank(s - 1, s) ? 0.0 : comm) + per.b(s - 1) +
+                  (s == 1 ? per.w(0) : 0.0);
+}
+
 class ListScheduler {
  public:
-  ListScheduler(Program& p, const CostModel& costs, const MemoryModel& memory,
-                const std::vector<double>& cap, const PolicyGrid& grid, const PolicyIndex& at,
-                PolicySet* cell)
-      : p_(p), cap_(cap), grid_(grid), at_(at), cell_(cell), warmup_(grid.warmups[at[kWarmup]]),
-        m_(p.microbatches), ns_(p.num_stages), last_stage_(p.num_stages - 1), comm_(costs.comm),
-        per_(p.num_stages, costs, memory),
-        end_f_(static_cast<size_t>(ns_) * m_, kNever), end_i_(end_f_),
-        sim_f_(end_f_.size(), 0.0), sim_i_(end_f_.size(), 0.0),
+  // The run of every grid point in `cell` (a product set) at once, under its first point's
+  // policy; a knob check that splits the set forks the run (see run()).
+  ListScheduler(std::shared_ptr<const ListTables> tables, const PolicySet& cell)
+      : t_(std::move(tables)), cell_(cell), p_(t_->shell), cap_(t_->cap),
+        grid_(t_->grid), m_(p_.microbatches), ns_(p_.num_stages), comm_(t_->comm),
+        per_(t_->per), tail_(t_->tail), to_first_(t_->to_first),
+        end_f_(ns_, kNever), end_i_(ns_, kNever), sim_f_(ns_, 0.0), sim_i_(ns_, 0.0),
         next_f_(ns_, 0), next_i_(ns_, 0), done_w_(ns_, 0), f_ready_(ns_, kNever),
-        i_ready_(ns_, kNever), ranks_(p.pp), props_(p.pp),
-        dirty_flag_(p.pp, 0) {
-    pol_.order = grid.orders[at[kOrder]];
-    pol_.fill_ratio = grid.fills[at[kFill]];
-    pol_.avoid_delaying_backward = grid.avoids[at[kAvoid]];
-    pol_.recycle_first = grid.recycles[at[kRecycle]];
-    pol_.deep_first = grid.deeps[at[kDeep]];
-    // tail_[s]: the least time from the start of F(s, mb) to the end of W(s, mb): the forwards
-    // down to the last stage, the backward-inputs back, W, and comm at each change of rank.
-    tail_.assign(ns_, 0.0);
-    for (int s = ns_ - 1; s >= 0; --s) {
-      const double hop = s + 1 < ns_ && !same_rank(s, s + 1) ? 2.0 * comm_ : 0.0;
-      tail_[s] = per_.f(s) + per_.b(s) + (s + 1 < ns_ ? tail_[s + 1] - per_.w(s + 1) + hop : 0.0) + per_.w(s);
-    }
-    // to_first_[s]: the least time from the end of I(s, mb) to the end of W(0, mb): the
-    // backward-inputs down to stage 0, with comm at each change of rank, and stage 0's W.
-    to_first_.assign(ns_, 0.0);
-    for (int s = 1; s < ns_; ++s)
-      to_first_[s] = to_first_[s - 1] + (same_rank(s - 1, s) ? 0.0 : comm_) + per_.b(s - 1) +
-                     (s == 1 ? per_.w(0) : 0.0);
+        i_ready_(ns_, kNever), ranks_(p_.pp), props_(p_.pp), tree_(p_.pp),
+        dirty_flag_(p_.pp, 0), order_(p_.pp) {
+    use_first_point();
+    for (MicrobatchTimes* t : {&end_f_, &end_i_, &sim_f_, &sim_i_}) t->reserve(m_);
     if (m_ > 0) f_ready_[0] = 0.0;
-    one_stage_ = p.num_stages == p.pp;
-    for (int r = 0; r < p.pp; ++r) {
+    one_stage_ = p_.num_stages == p_.pp;
+    for (int r = 0; r < p_.pp; ++r) {
       RankState& rk = ranks_[r];
-      for (int s : p.stages_of(r)) {
+      for (int s : p_.stages_of(r)) {
         ZB_CHECK(rk.nstages < 2, "the list scheduler handles 1 or 2 stages per rank");
         rk.stage[rk.nstages++] = s;
       }
       ZB_CHECK(rk.nstages >= 1, "rank ", r, " holds no stage");
       for (int k = 0; k < rk.nstages; ++k) rk.entry_mem += per_.held_by_forward(rk.stage[k]);
-      ZB_CHECK(within_cap(rk.entry_mem, cap[r]), "rank ", r, " cap ", cap[r],
+      ZB_CHECK(within_cap(rk.entry_mem, cap_[r]), "rank ", r, " cap ", cap_[r],
                " below one microbatch of its stages (", rk.entry_mem, ")");
-      ZB_CHECK(static_cast<int>(warmup_.size()) == p.pp, "one warm-up value per rank");
       rk.left_fi = 2 * m_ * rk.nstages;
       for (int k = 0; k < rk.nstages; ++k) {
         rk.left_work += m_ * (per_.f(rk.stage[k]) + per_.b(rk.stage[k]) + per_.w(rk.stage[k]));
         rk.left_fi_work += m_ * (per_.f(rk.stage[k]) + per_.b(rk.stage[k]));
       }
       rk.pending_w.reserve(static_cast<size_t>(m_) * rk.nstages);
-      p.ranks[r].clear();
-      p.ranks[r].reserve(static_cast<size_t>(3) * m_ * rk.nstages);
+      order_[r].reserve(static_cast<size_t>(3) * m_ * rk.nstages);
+      left_ += rk.left_fi + rk.left_fi / 2;  // F + I + W
     }
+    for (int r = 0; r < p_.pp; ++r) mark_dirty(r);
   }
 
-  ListRunResult run(const RunBound& bound) {
-    int left = 0;
-    for (const auto& rk : ranks_) left += rk.left_fi + rk.left_fi / 2;  // F + I + W
-    for (int r = 0; r < p_.pp; ++r) mark_dirty(r);
-    ProposalTree tree(p_.pp);
-    while (left > 0) {
+  // Plays on until every action has run, or until the bound stops the run (complete=false).
+  // Each knob check that splits the set appends to `forks` a copy of this run as it stood
+  // before the check, holding the points that decide otherwise and set to the first of them;
+  // this run goes on with the points that decided as it did.
+  ListRunResult run(const RunBound& bound, std::vector<ListRun>* forks) {
+    while (left_ > 0) {
       poll_cancel();
-      for (int r : dirty_) {
-        props_[r] = propose(r);
+      // A proposal reads the run's state and changes none of it, so a fork taken while one is
+      // made resumes at that proposal: those before it hold for the fork's points too (they
+      // decided every check so far as this run did).
+      for (; dirty_at_ < dirty_.size(); ++dirty_at_) {
+        const int r = dirty_[dirty_at_];
+        const Proposal pr = propose(r);
+        if (!splits_.empty()) {
+          ZB_CHECK(forks != nullptr, "a one-point run cannot fork");
+          fork(forks);
+        }
+        props_[r] = pr;
         dirty_flag_[r] = 0;
-        tree.update(r, props_[r]);
+        tree_.update(r, pr);
       }
       dirty_.clear();
-      const int r = tree.top();
-      ZB_CHECK(r >= 0, "list scheduler stalled on '", p_.schedule, "' with ", left,
+      dirty_at_ = 0;
+      const int r = tree_.top();
+      ZB_CHECK(r >= 0, "list scheduler stalled on '", p_.schedule, "' with ", left_,
                " actions left");
       if (!props_[r].act) {
         ranks_[r].clock = props_[r].time;  // idle until its next input arrives
@@ -191,7 +241,7 @@ class ListScheduler {
         continue;
       }
       apply(r, props_[r].choice);
-      --left;
+      --left_;
       // Its clock plus the compute it still owes bounds the rank's last end from below (the
       // running sum drifts by float noise only, far below the bound's margin); the rank has
       // started, so its span is that end minus its first start. Rank 0 ends no earlier than
@@ -209,7 +259,41 @@ class ListScheduler {
     return result();
   }
 
+  // The grid points this run stands for: after a run, every one of them builds its program
+  // (or stops where it stopped).
+  const PolicySet& cell() const { return cell_; }
+  // The policy it plays: the set's first grid point.
+  const PolicyIndex& at() const { return at_; }
+  // Each rank's compute order so far.
+  std::vector<std::vector<Action>>& order() { return order_; }
+
  private:
+  // Plays the set's first point: the lowest value of each knob (grid points nest knob by knob,
+  // so that is the lowest grid point in a product set).
+  void use_first_point() {
+    for (int k = 0; k < kNumKnobs; ++k) at_[k] = __builtin_ctz(cell_.bits[k]);
+    warmup_ = &grid_.warmups[at_[kWarmup]];
+    ZB_CHECK(static_cast<int>(warmup_->size()) == p_.pp, "one warm-up value per rank");
+    pol_.order = grid_.orders[at_[kOrder]];
+    pol_.fill_ratio = grid_.fills[at_[kFill]];
+    pol_.avoid_delaying_backward = grid_.avoids[at_[kAvoid]];
+    pol_.recycle_first = grid_.recycles[at_[kRecycle]];
+    pol_.deep_first = grid_.deeps[at_[kDeep]];
+  }
+
+  // One fork per split the last proposal made: this run as it stands (the proposal not yet
+  // stored), with the split-off points.
+  void fork(std::vector<ListRun>* forks) {
+    std::vector<PolicySet> splits;
+    splits.swap(splits_);
+    for (const PolicySet& part : splits) {
+      auto other = std::make_unique<ListScheduler>(*this);
+      other->cell_ = part;
+      other->use_first_point();
+      forks->emplace_back(std::move(other));
+    }
+  }
+
   struct RankState {
     std::array<int, 2> stage{};       // local stages, ascending (= the order a microbatch visits)
     int nstages = 0;
@@ -242,7 +326,7 @@ class ListScheduler {
     const int s = rk.stage[0], last = m_ - 1;
     if (next_f_[s] > last) {
       if (next_i_[s] > last) return 0.0;  // only W left: clock + work left says it all
-      return sim_f_[idx(s, last)] - per_.f(s) + tail_[s];
+      return sim_f_.get(s, last) - per_.f(s) + tail_[s];
     }
     // Held at the last F's start, after the forwards still owed: at most cap - mem_f.
     const double to_free = rk.mem + (m_ - next_f_[s]) * per_.held_by_forward(s) - cap_[r];
@@ -276,7 +360,7 @@ class ListScheduler {
     if (!one_stage_ || r == 0) return 0.0;
     const RankState& rk = ranks_[r];
     const int s = rk.stage[0];
-    if (next_i_[s] == m_) return sim_i_[idx(s, m_ - 1)] + to_first_[s];
+    if (next_i_[s] == m_) return sim_i_.get(s, m_ - 1) + to_first_[s];
     double forced = 0.0;
     const double by_w = per_.of(s, Kind::W).freed;
     if (next_f_[s] < m_ && by_w > 0.0) {
@@ -330,11 +414,10 @@ class ListScheduler {
     const int known = last - steps * c;
     double start = rk.sim_clock + (steps - 1) * tail_[s0];
     if (known >= 0)
-      start = std::max(start, sim_f_[idx(s0, known)] - per_.f(s0) + steps * tail_[s0]);
+      start = std::max(start, sim_f_.get(s0, known) - per_.f(s0) + steps * tail_[s0]);
     return start + tail_[s0];
   }
 
-  size_t idx(int s, int mb) const { return static_cast<size_t>(s) * m_ + mb; }
   bool same_rank(int a, int b) const { return p_.stage_to_rank[a] == p_.stage_to_rank[b]; }
   double arrive(int from, double t, int to) const {
     if (t == kNever) return kNever;
@@ -352,16 +435,19 @@ class ListScheduler {
 
   // Keeps in the cell only the values of knob `k` for which `same(i)` holds, i.e. those that
   // would have taken the decision the run's own value took.
+  // The values dropped go to a fork of their own (splits_).
   template <typename Same>
   void narrow(Knob k, Same same) const {
-    if (cell_ == nullptr) return;
-    uint32_t& bits = cell_->bits[k];
+    uint32_t& bits = cell_.bits[k];
     if ((bits & (bits - 1)) == 0) return;  // one value left
     uint32_t keep = 0;
     for (uint32_t rest = bits; rest != 0; rest &= rest - 1) {
       const int i = __builtin_ctz(rest);
       if (same(i)) keep |= 1u << i;
     }
+    if (keep == bits) return;
+    splits_.push_back(cell_);
+    splits_.back().bits[k] = bits & ~keep;
     bits = keep;
   }
   void narrow_to_own(Knob k) const {
@@ -384,7 +470,7 @@ class ListScheduler {
       bool fits = within_cap(rk.mem + (entering ? rk.entry_mem : per_.held_by_forward(s)), cap_[r]);
       if (fits && entering && !rk.backward_started) {
         const int need = rk.live + rk.nstages;
-        fits = need <= warmup_[r];
+        fits = need <= (*warmup_)[r];
         narrow(kWarmup, [&](int i) { return (need <= grid_.warmups[i][r]) == fits; });
       }
       if (!fits) {
@@ -473,11 +559,11 @@ class ListScheduler {
   // When everything `part` needs (producers_of) is on its rank, from the end times in `ends_f`
   // and `ends_i` (this scheduler runs I, never B, so a "B or I" producer reads `ends_i`); data
   // from another rank arrives comm_ later. kNever while some producer has not run.
-  double needs_met(const Action& part, const std::vector<double>& ends_f,
-                   const std::vector<double>& ends_i) const {
+  double needs_met(const Action& part, const MicrobatchTimes& ends_f,
+                   const MicrobatchTimes& ends_i) const {
     double t = 0.0;
     for (const Producer& d : producers_of(part, ns_)) {
-      const double e = (d.kind == Kind::F ? ends_f : ends_i)[idx(d.stage, part.microbatch)];
+      const double e = (d.kind == Kind::F ? ends_f : ends_i).get(d.stage, part.microbatch);
       t = std::max(t, d.data ? arrive(d.stage, e, part.stage) : e);
     }
     return t;
@@ -516,8 +602,8 @@ class ListScheduler {
     switch (ch.kind) {
       case Kind::F: {
         const int s = ch.stage;
-        end_f_[idx(s, ch.mb)] = rk.clock;
-        sim_f_[idx(s, ch.mb)] = finish;
+        end_f_.set(s, ch.mb, rk.clock);
+        sim_f_.set(s, ch.mb, finish);
         ++next_f_[s];
         f_ready_[s] = forward_ready(s);
         if (next_i_[s] == ch.mb) i_ready_[s] = backward_ready(s);  // its own F was missing
@@ -536,8 +622,8 @@ class ListScheduler {
       }
       case Kind::I: {
         const int s = ch.stage;
-        end_i_[idx(s, ch.mb)] = rk.clock;
-        sim_i_[idx(s, ch.mb)] = finish;
+        end_i_.set(s, ch.mb, rk.clock);
+        sim_i_.set(s, ch.mb, finish);
         ++next_i_[s];
         i_ready_[s] = backward_ready(s);
         rk.backward_started = true;
@@ -566,7 +652,7 @@ class ListScheduler {
       case Kind::OVERLAP_F_B:
         ZB_CHECK(false, "list scheduler chose '", kind_name(ch.kind), "'");
     }
-    p_.ranks[r].emplace_back(ch.stage, ch.kind, ch.mb);
+    order_[r].emplace_back(ch.stage, ch.kind, ch.mb);
   }
 
   // zbpipe::simulate's summary, from the same per-rank numbers in the same order.
@@ -585,42 +671,82 @@ class ListScheduler {
     return res;
   }
 
-  Program& p_;
+  std::shared_ptr<const ListTables> t_;
+  mutable PolicySet cell_;              // the grid points this run stands for (proposals narrow it)
+  mutable std::vector<PolicySet> splits_;  // what the proposal being made split off
+  const Program& p_;
   const std::vector<double>& cap_;
   const PolicyGrid& grid_;
-  const PolicyIndex at_;
-  PolicySet* const cell_;
-  const std::vector<int>& warmup_;
+  PolicyIndex at_{};                    // the policy played: cell_'s first point
+  const std::vector<int>* warmup_ = nullptr;
   ListPolicy pol_;
-  const int m_, ns_, last_stage_;
+  const int m_, ns_;
   const double comm_;
-  const StageTable per_;               // per-stage costs and memory deltas
-  std::vector<double> tail_;            // per stage: least time from F start to W end
-  std::vector<double> to_first_;        // per stage: least time from its I end to W(0) end
+  const StageTable& per_;               // per-stage costs and memory deltas
+  const std::vector<double>& tail_;     // per stage: least time from F start to W end
+  const std::vector<double>& to_first_;  // per stage: least time from its I end to W(0) end
   bool one_stage_ = false;              // every rank holds one stage
-  std::vector<double> end_f_, end_i_;   // scheduler's end time per (stage, mb); kNever = not run
-  std::vector<double> sim_f_, sim_i_;   // the simulator's end times of the same actions
+  MicrobatchTimes end_f_, end_i_;       // scheduler's end time per (stage, mb); kNever = not run
+  MicrobatchTimes sim_f_, sim_i_;       // the simulator's end times of the same actions
   std::vector<int> next_f_, next_i_;    // per stage: next microbatch to run F / I on (in order)
   std::vector<int> done_w_;             // per stage: W run so far
   std::vector<double> f_ready_, i_ready_;  // per stage: forward_ready / backward_ready, cached
   std::vector<RankState> ranks_;
   std::vector<Proposal> props_;         // each rank's current proposal
+  ProposalTree tree_;                   // the earliest of props_
   std::vector<int> dirty_;              // ranks whose proposal must be recomputed
   std::vector<char> dirty_flag_;
+  size_t dirty_at_ = 0;                 // the first of dirty_ not yet proposed afresh
+  std::vector<std::vector<Action>> order_;  // each rank's compute order so far
+  int left_ = 0;                        // actions not yet run
 };
 
-}  // namespace
+}  // namespace list_run
+
+using list_run::ListScheduler;
+using list_run::ListTables;
 
 ListRunResult run_list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
                                 const std::vector<double>& cap, const PolicyGrid& grid,
-                                const PolicyIndex& at, PolicySet* cell, const RunBound& bound) {
-  ZB_CHECK(static_cast<int>(cap.size()) == p.pp, "cap needs one value per rank");
-  ZB_CHECK(static_cast<int>(p.ranks.size()) == p.pp, "program has ", p.ranks.size(),
-           " rank lists for pp=", p.pp);
-  for (int k = 0; k < kNumKnobs; ++k)
+                                const PolicyIndex& at) {
+  PolicySet one;
+  for (int k = 0; k < kNumKnobs; ++k) {
     ZB_CHECK(at[k] >= 0 && at[k] < grid.size(static_cast<Knob>(k)), "grid index out of range");
-  ZB_CHECK(cell == nullptr || cell->contains(at), "the policy set must contain the run's policy");
-  return ListScheduler(p, costs, memory, cap, grid, at, cell).run(bound);
+    one.bits[k] = 1u << at[k];
+  }
+  ListRun run(p, costs, memory, cap, grid, one);
+  std::vector<ListRun> none;
+  const ListRunResult res = run.play({}, none);
+  run.take_program(p);
+  return res;
+}
+
+ListRun::ListRun(const Program& shell, const CostModel& costs, const MemoryModel& memory,
+                 const std::vector<double>& cap, const PolicyGrid& grid, const PolicySet& set) {
+  ZB_CHECK(static_cast<int>(cap.size()) == shell.pp, "cap needs one value per rank");
+  for (int k = 0; k < kNumKnobs; ++k)
+    ZB_CHECK(set.bits[k] != 0 && set.bits[k] >> grid.size(static_cast<Knob>(k)) == 0,
+             "policy set out of the grid");
+  run_ = std::make_unique<ListScheduler>(
+      std::make_shared<const ListTables>(shell, costs, memory, cap, grid), set);
+}
+
+ListRun::ListRun(std::unique_ptr<ListScheduler> run) : run_(std::move(run)) {}
+ListRun::ListRun(ListRun&&) noexcept = default;
+ListRun& ListRun::operator=(ListRun&&) noexcept = default;
+ListRun::~ListRun() = default;
+
+ListRunResult ListRun::play(const RunBound& bound, std::vector<ListRun>& forks) {
+  return run_->run(bound, &forks);
+}
+
+const PolicySet& ListRun::set() const { return run_->cell(); }
+const PolicyIndex& ListRun::policy() const { return run_->at(); }
+
+void ListRun::take_program(Program& into) {
+  ZB_CHECK(static_cast<int>(into.ranks.size()) == into.pp, "program has ", into.ranks.size(),
+           " rank lists for pp=", into.pp);
+  into.ranks = std::move(run_->order());
 }
 
 void list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
@@ -632,7 +758,7 @@ void list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory
                         {policy.avoid_delaying_backward},
                         {policy.recycle_first},
                         {policy.deep_first}};
-  run_list_schedule(p, costs, memory, cap, grid, PolicyIndex{}, nullptr);
+  run_list_schedule(p, costs, memory, cap, grid, PolicyIndex{});
 }
 
 }  // namespace zbpipe::detail

@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 #include <limits>
+#include <memory>
 #include <vector>
 
 #include "zbpipe/cost_model.h"
@@ -56,7 +57,6 @@ using PolicyIndex = std::array<int, kNumKnobs>;
 struct PolicySet {
   std::array<uint32_t, kNumKnobs> bits{};
   static PolicySet all(const PolicyGrid& g);
-  bool contains(const PolicyIndex& at) const;
 };
 
 // The simulator's numbers for the program a run built (zbpipe::simulate's arithmetic, in the
@@ -76,27 +76,56 @@ struct ListRunResult {
 // a full rank never deadlocks. 1 or 2 stages per rank; cap[r] holds at least one microbatch of
 // each of the rank's stages. The warm-up vector additionally bounds, per rank, the
 // (stage, microbatch) units held before a microbatch enters a rank that has not run its first
-// backward yet (the warm-up depth; nothing is freed before it, so units count forwards). Fills
-// `p.ranks` (compute-only, I/W split); `p` comes with its topology.
+// backward yet (the warm-up depth; nothing is freed before it, so units count forwards).
 //
-// The run uses grid point `at`. When `cell` is given (it must contain `at`), every knob check
-// the run makes removes from it the values that would have decided differently, so afterwards
-// every policy left in `cell` builds exactly this program (or stops at the same point). The run
-// stops (complete=false) as soon as a lower bound of its objective exceeds bound.objective_bar
-// or one of the other metric exceeds bound.other_bar: a rank's last end is at least its clock
-// plus its remaining work, or its last microbatch's drain (one stage per rank, or a V rank
-// under whole-microbatch memory, where the cap also forces one round trip per cap - 1
-// microbatches: [Note: the V chain bound]), and rank 0's at least a later rank's last I plus
-// that microbatch's way back; a span is a last end less the rank's first start.
+// A run stops (complete=false) as soon as a lower bound of its objective exceeds
+// bound.objective_bar or one of the other metric exceeds bound.other_bar: a rank's last end is
+// at least its clock plus its remaining work, or its last microbatch's drain (one stage per
+// rank, or a V rank under whole-microbatch memory, where the cap also forces one round trip per
+// cap - 1 microbatches: [Note: the V chain bound]), and rank 0's at least a later rank's last I
+// plus that microbatch's way back; a span is a last end less the rank's first start.
 struct RunBound {
   Objective objective = Objective::kMakespan;
   double objective_bar = std::numeric_limits<double>::infinity();
   double other_bar = std::numeric_limits<double>::infinity();
 };
+
+// Plays grid point `at` to the end into `p` (compute-only, I/W split; `p` comes with its
+// topology and its rank lists are replaced).
 ListRunResult run_list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
                                 const std::vector<double>& cap, const PolicyGrid& grid,
-                                const PolicyIndex& at, PolicySet* cell,
-                                const RunBound& bound = {});
+                                const PolicyIndex& at);
+
+namespace list_run {
+class ListScheduler;
+}
+
+// The run of every grid point of a product set at once: the search's unit of work. It plays
+// the set's first point (the lowest value of every knob); a knob check on which the set's
+// points disagree splits it, and the points that decide otherwise leave as a fork, a run of
+// their own that resumes from that moment under its own first point. Every point left in a
+// run's set when it ends builds exactly its program (or stops where it stopped), so a prefix
+// common to many grid points is played once.
+class ListRun {
+ public:
+  ListRun(const Program& shell, const CostModel& costs, const MemoryModel& memory,
+          const std::vector<double>& cap, const PolicyGrid& grid, const PolicySet& set);
+  explicit ListRun(std::unique_ptr<list_run::ListScheduler> run);
+  ListRun(ListRun&&) noexcept;
+  ListRun& operator=(ListRun&&) noexcept;
+  ~ListRun();
+
+  // Plays on to the end or until `bound` stops the run; forks made on the way are appended to
+  // `forks`. The inputs given at construction must outlive the run and its forks.
+  ListRunResult play(const RunBound& bound, std::vector<ListRun>& forks);
+  const PolicySet& set() const;       // the grid points still in the run
+  const PolicyIndex& policy() const;  // the one it plays: the set's first
+  // Moves the compute order into `into` (which has the shell's topology).
+  void take_program(Program& into);
+
+ private:
+  std::unique_ptr<list_run::ListScheduler> run_;
+};
 
 // One policy, one warm-up vector, no bound (a grid of one point).
 void list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
@@ -127,13 +156,14 @@ struct Seed {
 // Makespan and span can disagree (a schedule may end later on the last rank yet keep every
 // rank's span shorter), which is why both are compared.
 //
-// The pick is the one an exhaustive run of the grid would make, found with less work: grid
-// points whose runs consulted no knob value that tells them apart build one program and run
-// once; once some candidate matches every reference, a run stops as soon as it can no longer
-// reach that candidate's objective (or, once that objective sits at `floor`, where nothing can
-// beat it, its other metric); only the best candidate is kept; the grid points are shared
-// out among `threads` workers (0: one per CPU this process may use, at most 8), which pick the
-// same program as one. `exhaustive` runs every grid point to the end on one thread and scores
+// The pick is the one an exhaustive run of the grid would make, found with less work: the
+// grid is played as one run that forks where a knob check splits it (ListRun), so grid points
+// that no check tells apart build one program and a prefix common to several is played once;
+// once some candidate matches every reference, a run stops as soon as it can no longer reach
+// that candidate's objective (or, once that objective sits at `floor`, where nothing can beat
+// it, its other metric); only the best candidate is kept; the runs are shared out among
+// `threads` workers (0: one per CPU this process may use, at most 8), which pick the same
+// program as one. `exhaustive` runs every grid point to the end on one thread and scores
 // it with zbpipe::simulate instead (the reference the savings are checked against).
 struct SearchMode {
   bool exhaustive = false;

@@ -1,7 +1,9 @@
 // The policy-grid search behind zb_auto / v_half / v_min (search_list_schedules, see
 // list_scheduler.h): the same pick as scoring every grid point, with three savings.
-//   - Grid points that no knob check of a run tells apart build the same program: each run
-//     narrows a set of grid points to those that decide as it did, and all of them are done.
+//   - Grid points that no knob check of a run tells apart build the same program, and grid
+//     points play their common prefix once: one run plays the whole grid and forks where a
+//     knob check splits it (ListRun), each fork resuming from that moment with the points that
+//     decided otherwise.
 //   - Once a candidate matches every reference it is the bar: a run stops as soon as one rank's
 //     lower bound of its last end (clock plus remaining work, or its drain; less its first
 //     start when the objective is the span) exceeds that candidate's objective (it could only
@@ -11,7 +13,10 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <condition_variable>
 #include <exception>
+#include <mutex>
+#include <optional>
 #include <system_error>
 #include <thread>
 #include <tuple>
@@ -154,6 +159,13 @@ PolicyIndex grid_point(const PolicyGrid& g, int n) {
   return at;
 }
 
+// The number of grid point `at` (grid_point's inverse).
+int grid_number(const PolicyGrid& g, const PolicyIndex& at) {
+  int n = 0;
+  for (int k = 0; k < kNumKnobs; ++k) n = n * g.size(static_cast<Knob>(k)) + at[k];
+  return n;
+}
+
 }  // namespace
 
 PolicyGrid PolicyGrid::standard(std::vector<std::vector<int>> warmups,
@@ -211,17 +223,31 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   int points = 1;
   for (int k = 0; k < kNumKnobs; ++k) points *= grid.size(static_cast<Knob>(k));
   const bool exhaustive = mode.exhaustive;
-  // Workers take grid points in order from one counter. The pick does not depend on how they
-  // interleave: a run stops only when it can no longer reach the best pool-0 objective found so
-  // far (or its other metric, once that objective is at the floor), which is never below the
-  // final pick's, and equal keys go to the lowest order. A stale `done` flag or bar (relaxed
-  // loads) costs only a duplicate run or a later stop.
+  // Runs wait on one stack (last in, first out: a worker goes on with the forks it just made,
+  // which keeps few of them waiting); the first holds the whole grid. The pick does not depend
+  // on which worker plays which run, or when: a run stops only when it can no longer reach the
+  // best pool-0 objective found so far (or its other metric, once that objective is at the
+  // floor), which is never below the final pick's, and equal keys go to the lowest grid point,
+  // each run's being its set's first. A stale bar (relaxed loads) costs only a later stop.
+  // Exhaustive: every grid point is a run of its own, played to the end.
   const int workers = exhaustive ? 1 : std::min(search_thread_count(mode.threads), points);
-  std::atomic<int> next{0};
-  std::atomic<bool> failed{false};
+  std::mutex mu;
+  std::condition_variable wake;
+  std::vector<ListRun> stack;
+  int playing = 0;  // runs taken off the stack whose forks are not on it yet
+  bool failed = false;
+  if (exhaustive) {
+    for (int n = points - 1; n >= 0; --n) {
+      const PolicyIndex at = grid_point(grid, n);
+      PolicySet one;
+      for (int k = 0; k < kNumKnobs; ++k) one.bits[k] = 1u << at[k];
+      stack.emplace_back(shell, costs, memory, cap, grid, one);
+    }
+  } else {
+    stack.emplace_back(shell, costs, memory, cap, grid, PolicySet::all(grid));
+  }
   // The lowest bounds any worker has reached.
   std::atomic<double> bar{picker.bound()}, other_bar{picker.other_bound(mode.floor)};
-  std::vector<std::atomic<char>> done(points);
   std::vector<Picker> picks(workers, Picker(refs, primary, mode.objective));
   std::vector<std::exception_ptr> errors(workers);
   std::vector<int> error_at(workers, points);
@@ -230,39 +256,54 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
     const auto joined = cancel.join();
     Picker& mine = picks[id];
     Program cand = shell;
-    int n = -1;
-    try {
-      while (!failed.load(std::memory_order_relaxed) &&
-             (n = next.fetch_add(1, std::memory_order_relaxed)) < points) {
-        if (done[n].load(std::memory_order_relaxed)) continue;
+    std::vector<ListRun> forks;
+    for (;;) {
+      std::optional<ListRun> run;
+      {
+        std::unique_lock<std::mutex> lock(mu);
+        // Ends: the stack is empty and no run still playing can fork onto it.
+        wake.wait(lock, [&] { return failed || !stack.empty() || playing == 0; });
+        if (failed || stack.empty()) return;
+        run.emplace(std::move(stack.back()));
+        stack.pop_back();
+        ++playing;
+      }
+      const int n = grid_number(grid, run->policy());
+      try {
         poll_cancel();
-        const PolicyIndex at = grid_point(grid, n);
-        PolicySet cell = PolicySet::all(grid);
         // The bars are already at or below this worker's own bounds: it lowers them after
         // each offer.
         const RunBound bound{mode.objective, bar.load(std::memory_order_relaxed),
                              other_bar.load(std::memory_order_relaxed)};
-        const ListRunResult run =
-            exhaustive ? run_list_schedule(cand, costs, memory, cap, grid, at, nullptr)
-                       : run_list_schedule(cand, costs, memory, cap, grid, at, &cell, bound);
-        if (!exhaustive)
-          for (int j = n + 1; j < points; ++j)
-            if (cell.contains(grid_point(grid, j))) done[j].store(1, std::memory_order_relaxed);
-        if (!run.complete) continue;
-        ZB_CHECK(fits_cap(run.peak_memory, cap), "list scheduler broke the memory cap on '",
-                 shell.schedule, "'");
-        // The reference scores with the simulator itself.
-        mine.offer(exhaustive ? score_of(simulate(cand, costs, memory, false))
-                              : make_score(run.makespan, run.max_span, run.bubble_rate,
-                                           run.peak_memory),
-                   cand, n);
-        lower(bar, mine.bound());
-        lower(other_bar, mine.other_bound(mode.floor));
+        const ListRunResult res = run->play(exhaustive ? RunBound{} : bound, forks);
+        if (res.complete) {
+          run->take_program(cand);
+          ZB_CHECK(fits_cap(res.peak_memory, cap), "list scheduler broke the memory cap on '",
+                   shell.schedule, "'");
+          // The reference scores with the simulator itself.
+          mine.offer(exhaustive ? score_of(simulate(cand, costs, memory, false))
+                                : make_score(res.makespan, res.max_span, res.bubble_rate,
+                                             res.peak_memory),
+                     cand, n);
+          lower(bar, mine.bound());
+          lower(other_bar, mine.other_bound(mode.floor));
+        }
+      } catch (...) {
+        // The lowest failing grid point's error is raised (the one a serial search meets first).
+        if (n < error_at[id]) {
+          errors[id] = std::current_exception();
+          error_at[id] = n;
+        }
+        std::lock_guard<std::mutex> lock(mu);
+        failed = true;
       }
-    } catch (...) {
-      errors[id] = std::current_exception();
-      error_at[id] = n;
-      failed.store(true);
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        for (ListRun& f : forks) stack.push_back(std::move(f));
+        forks.clear();
+        --playing;
+      }
+      wake.notify_all();
     }
   };
   std::vector<std::thread> helpers;
@@ -276,8 +317,6 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   work(0);
   for (std::thread& t : helpers) t.join();
   throw_if_cancelled();  // an interrupt wins over the errors it caused in other workers
-  // Points are taken in order and every taken one finishes, so the lowest failing point is
-  // known: its error is the one raised.
   const auto first_error = std::min_element(error_at.begin(), error_at.end());
   if (*first_error < points) std::rethrow_exception(errors[first_error - error_at.begin()]);
   for (Picker& p : picks) picker.merge(std::move(p));
