@@ -76,6 +76,13 @@ class Candidate:
     note: str = ""
 
 
+def _judge(name: str, program: _C.Program, model: dict, overhead_s: float, budget: list[float]) -> Candidate:
+    res = simulate(program, **model)
+    peak = list(res.peak_memory)
+    fits = all(p <= b * (1 + 1e-9) for p, b in zip(peak, budget))
+    return Candidate(name, res.makespan + overhead_s, peak, fits)
+
+
 @dataclasses.dataclass
 class Tuning:
     """What one tuning did: per stage the measured costs (seconds) and memory deltas (bytes),
@@ -93,6 +100,13 @@ class Tuning:
     overhead_s: float = 0.0  # the timing step's wall time (slowest rank) less its simulated makespan
     clock: str = "host"  # where the costs were timed: "device" (events) or "host"
     unseen_memory: list = dataclasses.field(default_factory=list)  # stages whose saved bytes were not seen
+    model: dict = dataclasses.field(default_factory=dict)  # simulate()'s keywords every candidate ran under
+
+    def predict(self, program: _C.Program) -> Candidate:
+        """Any program of this pipeline judged as the candidates were: its predicted step (the
+        simulated makespan under `model` plus overhead_s), simulated peak bytes per rank, and
+        whether they fit the budget."""
+        return _judge(program.schedule, program, self.model, self.overhead_s, self.budget)
 
     def table(self) -> str:
         lines = [f"ScheduleAuto tuning at step {self.step} ({self.clock} times): comm {self.comm_s * 1e6:.1f} us, "
@@ -337,9 +351,11 @@ class ScheduleAuto:
         model["mem_w"] = [min(w, f) for w, f in zip(model["mem_w"], model["mem_f"])]
         sim = dict(f=model["f"], b=model["b"], w=model["w"], comm=comm, mem_f=model["mem_f"], mem_w=model["mem_w"])
         safe_peak = list(simulate(self._schedules[self._safe].program, **sim).peak_memory)
-        # What the simulator does not model (dispatch, message posting, the loss's host work):
-        # the timing step's wall time less its simulation, one number per step for every
-        # candidate (they run the same actions and messages; the ranking is the simulator's).
+        # What the simulator does not model (posting sends, the step's start and end): the
+        # timing step's wall time less its simulation, one number per step for every candidate.
+        # Not per action: dispatch is inside the measured action times, and the time outside
+        # them does not grow with their count; not per message: every candidate of a placement
+        # posts the same ones (docs/autotune.md, "What the prediction misses").
         overhead = step_s - simulate(measuring.program, **sim).makespan
         budget = safe_peak if self._budget is None else [float(self._budget)] * self._pp
         candidates, programs = [], {}
@@ -353,10 +369,7 @@ class ScheduleAuto:
             except (_C.ScheduleError, ValueError) as e:
                 candidates.append(Candidate(name, None, [], False, f" ({str(e).splitlines()[0][:60]})"))
                 continue
-            res = simulate(prog, **sim)
-            peak = list(res.peak_memory)
-            fits = all(p <= b * (1 + 1e-9) for p, b in zip(peak, budget))
-            candidates.append(Candidate(name, res.makespan + overhead, peak, fits))
+            candidates.append(_judge(name, prog, sim, overhead, budget))
             programs[name] = prog
         fitting = [c for c in candidates if c.fits]
         if not fitting:
@@ -370,7 +383,7 @@ class ScheduleAuto:
         least = min(c.predicted_s for c in fitting)
         best = next(c for c in fitting if c.predicted_s <= least * (1 + 1e-9))
         self.tuning = Tuning(self._steps, costs, deltas, comm, budget, candidates, best.name, best.predicted_s,
-                             overhead_s=overhead, clock=self._clock, unseen_memory=unseen)
+                             overhead_s=overhead, clock=self._clock, unseen_memory=unseen, model=sim)
         self._after = []
         self.history.append(self.tuning)
         chosen = programs[best.name]

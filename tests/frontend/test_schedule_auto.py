@@ -51,7 +51,7 @@ def _train(rank, pp, placement):
     return dict(grads=grads, programs=programs, choice=sched.choice, table=t.table(), costs=t.costs,
                 deltas=t.deltas, candidates=[(c.name, c.predicted_s, c.peak_bytes, c.fits) for c in t.candidates],
                 measured=t.measured_step_s, predicted=t.predicted_s, safe=FAMILIES[sched.placement][0],
-                overhead=t.overhead_s, comm=t.comm_s)
+                overhead=t.overhead_s, comm=t.comm_s, judged=t.predict(sched.program))
 
 
 @pytest.mark.parametrize("placement", sorted(LAYOUTS))
@@ -89,6 +89,11 @@ def test_exact_gradients_and_one_program_across_the_switch(spawn_world, placemen
     predicted = dict((c[0], c[1]) for c in res["candidates"])
     assert predicted[res["safe"]] == pytest.approx(safe_sim + res["overhead"], rel=1e-9), (predicted, safe_sim)
     assert "unmodelled" in res["table"]
+    # Tuning.predict judges any program as the candidates were judged: the running program
+    # gets exactly the choice's prediction and peak, and fits.
+    chosen_cand = next(c for c in res["candidates"] if c[0] == res["choice"])
+    judged = res["judged"]
+    assert (judged.predicted_s, judged.peak_bytes, judged.fits) == chosen_cand[1:], (judged, chosen_cand)
 
 
 def _budgets(rank, pp):
