@@ -11,12 +11,21 @@ the head. V: stages 0-2 light, stage 3 the head (on rank 0, with stage 0). Loope
 stages, rank r holding r and r+2 (the head on rank 1).
 
 Every fixed candidate of the placement (ScheduleAuto's list; the cost-driven ones compiled at
-unit costs, as a user without measurements would) and ScheduleAuto (tuned over its first two
-steps, then running its choice) run on the same weights, alternating step by step after warm-up;
+unit costs, as a user without measurements would) and ScheduleAuto (tuned over its first 1 +
+--timing-steps steps, then running its choice) run on the same weights, alternating step by step after warm-up;
 each cell is the median step time on rank 0, between barriers. Printed: each candidate's step,
 ScheduleAuto's step over the best fixed one (goal <= 1.05) and over the best fixed one whose
 simulated peak fits the budget (those ScheduleAuto may pick), its prediction over its measured
-step (goal within 10%), and its tuning table. `--budget-fraction` (default 0.95) then tunes once
+step (goal within 10%), and its tuning table. Each fixed candidate's row also carries what the
+tuning predicts for that very program (`Tuning.predict`: its simulated makespan under the
+measured costs plus the tuning's one unmodelled time) over its measured step, and whether its
+simulated peak fits the budget. `--breakdown` adds, per candidate and rank, where the step's wall
+time went (medians over the timed steps, from each step's trace): compute actions (host time
+less receive waits) and their count, receive waits, send records (host time of the records that
+post sends) and the sends' count, and the rest (before the first record, after the last, and
+between records); then, for the safe default, its simulated makespan under the timing step's
+costs against under the timed steps' own medians, and the time that simulation leaves out in
+the timed steps against in the timing step (the tuning's unmodelled time). `--budget-fraction` (default 0.95) then tunes once
 more with an activation budget that fraction of the safe default's simulated peak (zb_h1 or
 zbv, 1F1B's memory): a budget that schedule does not fit; ScheduleAuto's choice, which must
 fit, and the candidates that fit are printed (or its error naming the smallest need).
@@ -27,6 +36,7 @@ The machine these numbers come from is shared: compare within one run.
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import sys
 import time
@@ -38,9 +48,11 @@ from torch import nn
 
 import zbpipe
 from zbpipe.schedule_auto import FAMILIES
+from zbpipe.stage_costs import compile_costs, profile_from_trace
 from zbpipe.train.launcher import run_local
 
 PP, M, ROWS, D, VOCAB = 2, 8, 64, 256, 3072
+_COMPUTE = re.compile(r"^\d+[FBIW]\d+$")  # a trace record of one compute action
 
 
 def _stage_module(head: bool) -> nn.Module:
@@ -65,14 +77,71 @@ def _stages(mods, n, mine):
     return stages if len(stages) > 1 else stages[0]
 
 
-def _timed(sched, x, y, first: bool, last: bool, mods) -> float:
+def _timed(sched, x, y, first: bool, last: bool, mods, steps: list | None = None) -> float:
+    """One step between barriers (seconds); with `steps`, this rank's trace of it and its own
+    start and end (the trace's clock) are appended."""
     for m in mods:
         m.zero_grad(set_to_none=True)
     dist.barrier()
     t0 = time.perf_counter()
+    mine0 = time.monotonic_ns()  # the trace's clock (CLOCK_MONOTONIC)
     sched.step(*((x,) if first else ()), target=y if last else None)
+    mine1 = time.monotonic_ns()
     dist.barrier()
-    return time.perf_counter() - t0
+    took = time.perf_counter() - t0
+    if steps is not None:
+        steps.append((sched.trace(), mine0, mine1))
+    return took
+
+
+def _breakdown(records: list[dict], start_ns: int, end_ns: int) -> dict:
+    """Where one rank's step went: compute actions (host time less receive waits; an overlapped
+    backward half on the worker thread is not counted, it runs beside the host, and the host's
+    wait for it falls in the rest), receive waits, records that post sends, and the rest of the
+    wall time (before, between and after records)."""
+    host = [r for r in records if not r.get("worker")]
+    computes = [r for r in host if _COMPUTE.match(r["action"])]
+    sends = [r for r in host if "SEND" in r["action"]]
+    took = lambda r: (r["host_end_ns"] - r["host_start_ns"] - r["wait_ns"]) / 1e9  # noqa: E731
+    out = dict(wall=(end_ns - start_ns) / 1e9, compute=sum(map(took, computes)), n_compute=len(computes),
+               waits=sum(r["wait_ns"] for r in host) / 1e9, sends=sum(map(took, sends)),
+               n_sends=sum("SEND" in a for r in sends for a in r["action"].split("+")))
+    out["rest"] = out["wall"] - out["compute"] - out["waits"] - out["sends"]
+    return out
+
+
+def _rank_summary(steps: dict[str, list], safe: str) -> dict:
+    """This rank's median breakdown per schedule, and its stages' per-action costs in the safe
+    default's timed steps (median over the steps of each step's medians)."""
+    parts = {}
+    for k, v in steps.items():
+        each = [_breakdown(*step) for step in v]
+        parts[k] = {f: statistics.median(b[f] for b in each) for f in each[0]}
+    profiles = [profile_from_trace(records) for records, _, _ in steps[safe]]
+    costs = {s: {k: statistics.median(p[s][k] for p in profiles) if profiles[0][s][k] is not None else None
+                 for k in "fiwb"} for s in profiles[0]}
+    return dict(parts=parts, costs=costs)
+
+
+def _print_breakdown(every: list[dict], tuning, safe: str, safe_program, safe_step_s: float) -> None:
+    print("\n| schedule | rank | wall ms | compute ms (actions) | waits ms | sends ms (sends) | rest ms |"
+          "\n|---|---|---|---|---|---|---|")
+    for k in every[0]["parts"]:
+        for r, e in enumerate(every):
+            p = e["parts"][k]
+            print(f"| {k} | {r} | {p['wall'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} ({p['n_compute']:.0f}) | "
+                  f"{p['waits'] * 1e3:.1f} | {p['sends'] * 1e3:.1f} ({p['n_sends']:.0f}) | {p['rest'] * 1e3:.1f} |")
+    # The timing step against the timed steps, on the safe default: its costs, and the wall
+    # time its simulation leaves out (Tuning.overhead_s, measured on that one step).
+    costs: dict = {}
+    for e in every:
+        costs.update(e["costs"])
+    steady = compile_costs(costs, len(costs))
+    steady_s = zbpipe.simulate(safe_program, **dict(tuning.model, f=steady["f"], b=steady["b"], w=steady["w"])).makespan
+    timing_s = tuning.predict(safe_program).predicted_s - tuning.overhead_s
+    print(f"\n{safe}: simulated under the timing step's costs {timing_s * 1e3:.1f} ms, under the timed steps' "
+          f"{steady_s * 1e3:.1f} ms ({timing_s / steady_s:.2f}x); measured {safe_step_s * 1e3:.1f} ms: unmodelled "
+          f"{(safe_step_s - steady_s) * 1e3:.1f} ms in the timed steps, {tuning.overhead_s * 1e3:.1f} ms in the timing step")
 
 
 def _bench(rank: int, world: int, a: dict) -> None:
@@ -91,29 +160,42 @@ def _bench(rank: int, world: int, a: dict) -> None:
             except (ValueError, zbpipe.ScheduleError) as e:  # e.g. dualpipev at this size
                 if rank == 0:
                     print(f"# {placement}: {name} not built: {str(e).splitlines()[0][:100]}", flush=True)
-        auto = zbpipe.ScheduleAuto(_stages(mods, n, mine), M, loss_fn=F.cross_entropy)
-        for _ in range(2):  # the tuning: memory (step 1), times (step 2), then the switch
+        auto = zbpipe.ScheduleAuto(_stages(mods, n, mine), M, loss_fn=F.cross_entropy,
+                                   timing_steps=a["timing_steps"])
+        for _ in range(1 + a["timing_steps"]):  # the tuning: memory (step 1), times, then the switch
             _timed(auto, x, y, first, last, mods)
         runs["auto"] = auto
         times: dict[str, list[float]] = {k: [] for k in runs}
+        steps: dict[str, list] | None = {k: [] for k in runs} if a["breakdown"] else None
         for _ in range(a["warmup"]):
             for k, s in runs.items():
                 _timed(s, x, y, first, last, mods)
         for _ in range(a["reps"]):
             for k, s in runs.items():
-                times[k].append(_timed(s, x, y, first, last, mods))
+                times[k].append(_timed(s, x, y, first, last, mods, steps[k] if steps is not None else None))
+        every = [None] * world
+        if steps is not None:
+            dist.all_gather_object(every, _rank_summary(steps, FAMILIES[placement][0]))
         if rank == 0:
             med = {k: statistics.median(v) for k, v in times.items()}
             fixed = {k: v for k, v in med.items() if k != "auto"}
             best = min(fixed, key=fixed.get)
-            print(f"\n## placement {placement}: stages per rank {mine} on rank 0, {M} microbatches\n")
-            print("| schedule | step ms |\n|---|---|")
-            for k, v in sorted(fixed.items(), key=lambda kv: kv[1]):
-                print(f"| {k} | {v * 1e3:.1f} |")
-            print(f"| auto ({auto.choice}) | {med['auto'] * 1e3:.1f} |")
             t = auto.tuning
-            fits = {c.name: c.fits for c in t.candidates}
-            within = {k: v for k, v in fixed.items() if fits.get(k)}  # the fixed ones auto could pick
+            # What the tuning predicts for each fixed program (the cost-driven ones here are
+            # compiled at unit costs, so they are not ScheduleAuto's programs of that name).
+            judged = {k: t.predict(runs[k].program) for k in fixed}
+            print(f"\n## placement {placement}: stages per rank {mine} on rank 0, {M} microbatches\n")
+            print("| schedule | step ms | predicted ms | predicted / measured | fits the budget |\n|---|---|---|---|---|")
+            for k, v in sorted(fixed.items(), key=lambda kv: kv[1]):
+                j = judged[k]
+                print(f"| {k} | {v * 1e3:.1f} | {j.predicted_s * 1e3:.1f} | {j.predicted_s / v:.3f} | "
+                      f"{'yes' if j.fits else 'no'} |")
+            print(f"| auto ({auto.choice}) | {med['auto'] * 1e3:.1f} | {t.predicted_s * 1e3:.1f} | "
+                  f"{t.predicted_s / med['auto']:.3f} | yes |")
+            if steps is not None:
+                safe_name = FAMILIES[placement][0]
+                _print_breakdown(every, t, safe_name, runs[safe_name].program, fixed[safe_name])
+            within = {k: v for k, v in fixed.items() if judged[k].fits}  # the fixed ones auto could pick
             best_within = min(within, key=within.get)
             print(f"\nauto / best fixed ({best}): {med['auto'] / fixed[best]:.3f} (goal <= 1.05); "
                   f"auto / best fixed within the budget ({best_within}): {med['auto'] / within[best_within]:.3f}; "
@@ -129,8 +211,8 @@ def _bench(rank: int, world: int, a: dict) -> None:
             budget = a["budget_fraction"] * max(ref[0])
             try:
                 tight = zbpipe.ScheduleAuto(_stages(mods, n, mine), M, loss_fn=F.cross_entropy,
-                                            activation_budget=budget)
-                for _ in range(2):
+                                            activation_budget=budget, timing_steps=a["timing_steps"])
+                for _ in range(1 + a["timing_steps"]):
                     _timed(tight, x, y, first, last, mods)
                 if rank == 0:
                     c = next(c for c in tight.tuning.candidates if c.name == tight.choice)
@@ -149,10 +231,13 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--budget-fraction", type=float, default=0.95)
+    p.add_argument("--timing-steps", type=int, default=1, help="ScheduleAuto's timing_steps")
+    p.add_argument("--breakdown", action="store_true", help="per candidate and rank: where the step's time went")
     ns = p.parse_args(argv)
     a = vars(ns) | {"placements": ns.placements.split(",")}
     print(f"# bench_autotune: pp={PP}, {M} microbatches of {ROWS} rows, d={D}, vocab={VOCAB}, torch "
-          f"{torch.__version__}, Gloo, 1 thread per rank; {ns.warmup} warm-up, {ns.reps} timed steps", flush=True)
+          f"{torch.__version__}, Gloo, 1 thread per rank; {ns.warmup} warm-up, {ns.reps} timed steps; "
+          f"ScheduleAuto timing_steps={ns.timing_steps}", flush=True)
     run_local(_bench, PP, (a,), timeout_s=1800, pg_timeout_s=300, threads=1)
     return 0
 

@@ -76,6 +76,13 @@ class Candidate:
     note: str = ""
 
 
+def _judge(name: str, program: _C.Program, model: dict, overhead_s: float, budget: list[float]) -> Candidate:
+    res = simulate(program, **model)
+    peak = list(res.peak_memory)
+    fits = all(p <= b * (1 + 1e-9) for p, b in zip(peak, budget))
+    return Candidate(name, res.makespan + overhead_s, peak, fits)
+
+
 @dataclasses.dataclass
 class Tuning:
     """What one tuning did: per stage the measured costs (seconds) and memory deltas (bytes),
@@ -90,12 +97,21 @@ class Tuning:
     choice: str
     predicted_s: float
     measured_step_s: float | None = None  # median wall time of the first steps after the switch, this rank
-    overhead_s: float = 0.0  # the timing step's wall time (slowest rank) less its simulated makespan
+    overhead_s: float = 0.0  # the timing steps' median wall time (slowest rank) less their simulated makespan
     clock: str = "host"  # where the costs were timed: "device" (events) or "host"
     unseen_memory: list = dataclasses.field(default_factory=list)  # stages whose saved bytes were not seen
+    model: dict = dataclasses.field(default_factory=dict)  # simulate()'s keywords every candidate ran under
+    timing_steps: int = 1  # steps whose action times (pooled) and wall times (median) it planned from
+
+    def predict(self, program: _C.Program) -> Candidate:
+        """Any program of this pipeline judged as the candidates were: its predicted step (the
+        simulated makespan under `model` plus overhead_s), simulated peak bytes per rank, and
+        whether they fit the budget."""
+        return _judge(program.schedule, program, self.model, self.overhead_s, self.budget)
 
     def table(self) -> str:
-        lines = [f"ScheduleAuto tuning at step {self.step} ({self.clock} times): comm {self.comm_s * 1e6:.1f} us, "
+        lines = [f"ScheduleAuto tuning at step {self.step} ({self.clock} times of {self.timing_steps} "
+                 f"step{'s' if self.timing_steps > 1 else ''}): comm {self.comm_s * 1e6:.1f} us, "
                  f"budget {max(self.budget):.0f} bytes/rank, unmodelled {self.overhead_s * 1e3:.3f} ms/step"]
         lines.append(f"{'stage':>5} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'mem_f B':>10} {'mem_w B':>10}")
         for s in sorted(self.costs):
@@ -126,9 +142,13 @@ class ScheduleAuto:
         stages, n_microbatches, loss_fn: as for every schedule class.
         activation_budget: bytes of saved activations per rank a candidate's simulated peak
             may reach; None: what the safe default's simulated peak is on each rank.
-        retune_every: tune again every N steps, N >= 2 (None: once, over steps 1 and 2). A
-            re-tune's steps run the current program when it splits I and W on every stage,
-            else the safe default.
+        retune_every: tune again every N steps, N >= 1 + timing_steps (None: once, over the
+            first 1 + timing_steps steps). A re-tune's steps run the current program when it
+            splits I and W on every stage, else the safe default.
+        timing_steps: steps that time the actions after the one that measures memory (>= 1).
+            Their action times are pooled (the median per stage and kind over every microbatch
+            of every one of them) and their wall times taken at the median, so one step
+            slowed by other load on the host plans less of the choice.
         **kwargs: the schedule classes' keywords (timeout, overlap_f_b, ...).
 
     The pipeline group must be one torch.distributed knows (all_gather_object runs over it).
@@ -139,11 +159,16 @@ class ScheduleAuto:
     """
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None, *,
-                 activation_budget: float | None = None, retune_every: int | None = None, **kwargs):
+                 activation_budget: float | None = None, retune_every: int | None = None,
+                 timing_steps: int = 1, **kwargs):
         if loss_fn is None:
             raise ValueError("ScheduleAuto tunes a training step: give a loss_fn")
-        if retune_every is not None and retune_every < 2:
-            raise ValueError(f"retune_every must be >= 2 (a tuning spans two steps) or None, got {retune_every}")
+        if timing_steps < 1:
+            raise ValueError(f"timing_steps must be >= 1, got {timing_steps}")
+        if retune_every is not None and retune_every < 1 + timing_steps:
+            raise ValueError(f"retune_every must be >= {1 + timing_steps} (a tuning spans 1 + timing_steps "
+                             f"steps) or None, got {retune_every}")
+        self._timing_steps = timing_steps
         self._stages = _rank_stages(stages)
         first = self._stages[0]
         self._group, self._pp, self._rank = first.group, first.group_size, first.group_rank
@@ -176,10 +201,10 @@ class ScheduleAuto:
         return self._current.program.schedule
 
     def step(self, *args, **kwargs):
-        """One training step (zbpipe.PipelineSchedule.step's semantics). A tuning spans two
-        steps of the measuring schedule: the first measures the memory deltas (the probe's
-        pack hooks slow it, and a first step also warms up), the second the times; the ranks
-        then gather, plan and switch for the step after."""
+        """One training step (zbpipe.PipelineSchedule.step's semantics). A tuning spans 1 +
+        timing_steps steps of the measuring schedule: the first measures the memory deltas (the
+        probe's pack hooks slow it, and a first step also warms up), the others the times; the
+        ranks then gather, plan and switch for the step after."""
         self._steps += 1
         # A tuning starts at step 1 (or, until one ends, at the step after one a shape change
         # refused) and, with retune_every, at steps kN + 1.
@@ -203,24 +228,32 @@ class ScheduleAuto:
             out = measuring.step(*args, **kwargs)
         finally:
             measuring.measure_memory = False
-        self._pending = dict(measuring=measuring, deltas=measuring.memory_profile(), shapes=shapes)
+        self._pending = dict(measuring=measuring, deltas=measuring.memory_profile(), shapes=shapes,
+                             records=[], walls=[])
         return out
 
     def _timing_step(self, args, kwargs):
-        pending, self._pending = self._pending, None
+        pending = self._pending
         # Every rank checks before the step runs, so no rank enters a step the others refuse.
         changed = [None] * self._pp
         dist.all_gather_object(changed, _shapes(args, kwargs) != pending["shapes"], group=self._group)
         if any(changed):
+            self._pending = None
+            first = self._steps - 1 - len(pending["walls"])
             raise _C.ScheduleError(
                 f"ScheduleAuto: the step's shapes changed during a tuning (on rank(s) "
                 f"{[r for r, c in enumerate(changed) if c]}, between the step that measured memory "
-                f"(step {self._steps - 1}) and the one that measures times (step {self._steps})): "
+                f"(step {first}) and one that measures times (step {self._steps})): "
                 "measurements of two shapes plan for neither. Tune on steps of one shape "
                 "(retune_every=None, or a period that starts after the shapes settle)")
         start = time.perf_counter()
         out = pending["measuring"].step(*args, **kwargs)
-        self._tune(pending["measuring"], pending["deltas"], time.perf_counter() - start)
+        pending["walls"].append(time.perf_counter() - start)
+        pending["records"] += pending["measuring"].trace()
+        if len(pending["walls"]) == self._timing_steps:
+            self._pending = None
+            self._tune(pending["measuring"], pending["deltas"], pending["records"],
+                       statistics.median(pending["walls"]))
         return out
     def eval(self, *args, **kwargs):
         return self._current.eval(*args, **kwargs)
@@ -252,8 +285,8 @@ class ScheduleAuto:
         kinds = {a.kind for a in program.action_values(self._rank) if a.is_compute}
         return _C.Kind.B not in kinds and _C.Kind.I in kinds
 
-    def _measurements(self, measuring: PipelineSchedule, deltas: dict, step_s: float) -> dict:
-        costs = profile_from_trace(measuring.trace(), clock=self._clock)
+    def _measurements(self, measuring: PipelineSchedule, deltas: dict, records: list, step_s: float) -> dict:
+        costs = profile_from_trace(records, clock=self._clock)
         return dict(rank=self._rank, num_stages=self._num_stages, microbatches=self._n, costs=costs,
                     deltas=deltas, comm_s=self._p2p_latency(measuring), step_s=step_s)
 
@@ -326,8 +359,8 @@ class ScheduleAuto:
         scaled["mem_w"] = [m * scale[s] for s, m in enumerate(opts["mem_w"])]
         return _compile(name, self._pp, self._n, self._spr, **scaled, memory_cap=cap)
 
-    def _tune(self, measuring: PipelineSchedule, deltas: dict, step_s: float) -> None:
-        mine = self._measurements(measuring, deltas, step_s)
+    def _tune(self, measuring: PipelineSchedule, deltas: dict, records: list, step_s: float) -> None:
+        mine = self._measurements(measuring, deltas, records, step_s)
         costs, deltas, comm, step_s = self._merge(self._gather(mine))
         model = compile_costs({s: {**costs[s], **deltas[s]} for s in costs}, self._num_stages)
         # A stage whose saved tensors the probe cannot see (packed by hooks inside its module,
@@ -337,9 +370,12 @@ class ScheduleAuto:
         model["mem_w"] = [min(w, f) for w, f in zip(model["mem_w"], model["mem_f"])]
         sim = dict(f=model["f"], b=model["b"], w=model["w"], comm=comm, mem_f=model["mem_f"], mem_w=model["mem_w"])
         safe_peak = list(simulate(self._schedules[self._safe].program, **sim).peak_memory)
-        # What the simulator does not model (dispatch, message posting, the loss's host work):
-        # the timing step's wall time less its simulation, one number per step for every
-        # candidate (they run the same actions and messages; the ranking is the simulator's).
+        # What the simulator does not model (posting sends, the step's start and end): the
+        # timing steps' median wall time less their simulation, one number per step for every
+        # candidate.
+        # Not per action: dispatch is inside the measured action times, and the time outside
+        # them does not grow with their count; not per message: every candidate of a placement
+        # posts the same ones (docs/autotune.md, "What the prediction misses").
         overhead = step_s - simulate(measuring.program, **sim).makespan
         budget = safe_peak if self._budget is None else [float(self._budget)] * self._pp
         candidates, programs = [], {}
@@ -353,10 +389,7 @@ class ScheduleAuto:
             except (_C.ScheduleError, ValueError) as e:
                 candidates.append(Candidate(name, None, [], False, f" ({str(e).splitlines()[0][:60]})"))
                 continue
-            res = simulate(prog, **sim)
-            peak = list(res.peak_memory)
-            fits = all(p <= b * (1 + 1e-9) for p, b in zip(peak, budget))
-            candidates.append(Candidate(name, res.makespan + overhead, peak, fits))
+            candidates.append(_judge(name, prog, sim, overhead, budget))
             programs[name] = prog
         fitting = [c for c in candidates if c.fits]
         if not fitting:
@@ -370,7 +403,8 @@ class ScheduleAuto:
         least = min(c.predicted_s for c in fitting)
         best = next(c for c in fitting if c.predicted_s <= least * (1 + 1e-9))
         self.tuning = Tuning(self._steps, costs, deltas, comm, budget, candidates, best.name, best.predicted_s,
-                             overhead_s=overhead, clock=self._clock, unseen_memory=unseen)
+                             overhead_s=overhead, clock=self._clock, unseen_memory=unseen, model=sim,
+                             timing_steps=self._timing_steps)
         self._after = []
         self.history.append(self.tuning)
         chosen = programs[best.name]

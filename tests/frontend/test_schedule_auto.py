@@ -51,7 +51,7 @@ def _train(rank, pp, placement):
     return dict(grads=grads, programs=programs, choice=sched.choice, table=t.table(), costs=t.costs,
                 deltas=t.deltas, candidates=[(c.name, c.predicted_s, c.peak_bytes, c.fits) for c in t.candidates],
                 measured=t.measured_step_s, predicted=t.predicted_s, safe=FAMILIES[sched.placement][0],
-                overhead=t.overhead_s, comm=t.comm_s)
+                overhead=t.overhead_s, comm=t.comm_s, judged=t.predict(sched.program))
 
 
 @pytest.mark.parametrize("placement", sorted(LAYOUTS))
@@ -89,6 +89,11 @@ def test_exact_gradients_and_one_program_across_the_switch(spawn_world, placemen
     predicted = dict((c[0], c[1]) for c in res["candidates"])
     assert predicted[res["safe"]] == pytest.approx(safe_sim + res["overhead"], rel=1e-9), (predicted, safe_sim)
     assert "unmodelled" in res["table"]
+    # Tuning.predict judges any program as the candidates were judged: the running program
+    # gets exactly the choice's prediction and peak, and fits.
+    chosen_cand = next(c for c in res["candidates"] if c[0] == res["choice"])
+    judged = res["judged"]
+    assert (judged.predicted_s, judged.peak_bytes, judged.fits) == chosen_cand[1:], (judged, chosen_cand)
 
 
 def _budgets(rank, pp):
@@ -278,6 +283,43 @@ def test_a_shape_change_during_a_tuning_fails_every_rank_before_the_step(spawn_w
 def test_retune_every_below_two_is_refused():
     with pytest.raises(ValueError, match="retune_every must be >= 2"):
         zbpipe.ScheduleAuto([], M, loss_fn=F.mse_loss, retune_every=1)
+
+
+def test_timing_steps_is_checked_against_itself_and_retune_every():
+    with pytest.raises(ValueError, match="timing_steps must be >= 1"):
+        zbpipe.ScheduleAuto([], M, loss_fn=F.mse_loss, timing_steps=0)
+    with pytest.raises(ValueError, match="retune_every must be >= 4"):
+        zbpipe.ScheduleAuto([], M, loss_fn=F.mse_loss, timing_steps=3, retune_every=3)
+
+
+def _pooled(rank, pp):
+    from zbpipe.stage_costs import profile_from_trace
+
+    sched, stages, _ = _auto(rank, pp, "one", timing_steps=3)
+    safe = sched._schedules[FAMILIES["one"][0]]  # the timing steps run the safe default, zb_h1
+    per_step, tuned = [], []
+    for k in range(5):
+        _step(sched, stages, k)
+        tuned.append(sched.tuning is not None)
+        if 1 <= k <= 3:
+            per_step.append(safe.trace())
+    pooled = profile_from_trace([r for step in per_step for r in step], clock="host")
+    last = profile_from_trace(per_step[-1], clock="host")
+    t = sched.tuning
+    return dict(tuned=tuned, mine=[s.stage_index for s in stages], pooled=pooled, last=last,
+                costs=t.costs, steps=t.timing_steps, at=t.step, table=t.table())
+
+
+def test_timing_steps_pool_the_action_times_of_every_timing_step(spawn_world):
+    for res in spawn_world(PP).run(_pooled, timeout_s=240):
+        # Step 1 measures memory, steps 2-4 time the actions; the tuning ends with step 4.
+        assert res["tuned"] == [False, False, False, True, True], res["tuned"]
+        assert res["at"] == 4 and res["steps"] == 3 and "of 3 steps" in res["table"], res["table"]
+        for s in res["mine"]:
+            for kind in "fiw":
+                # The median over every microbatch of the three steps, not the last step's.
+                assert res["costs"][s][kind] == pytest.approx(res["pooled"][s][kind], rel=1e-12), (s, kind)
+        assert any(res["costs"][s][k] != res["last"][s][k] for s in res["mine"] for k in "fiw"), res
 
 
 def test_profile_from_trace_takes_device_times_where_the_trace_has_them(tmp_path):

@@ -1,6 +1,7 @@
 """bench_autotune runs end to end on one placement: every fixed candidate and ScheduleAuto get a
-measured step, the ratios and the tuning table are printed, and under a budget below the safe
-default's peak ScheduleAuto picks a candidate that fits. No timing is asserted."""
+measured step and a prediction, the ratios and the tuning table are printed, `--breakdown` says
+per rank where each step went (every candidate posting the same sends), and under a budget below
+the safe default's peak ScheduleAuto picks a candidate that fits. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -17,14 +18,25 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_autotune_measures_every_candidate_and_fits_the_budget():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_autotune.py"), "--placements", "one",
-         "--warmup", "0", "--reps", "1"],
+         "--warmup", "0", "--reps", "1", "--breakdown"],
         cwd=NEUTRAL_CWD, capture_output=True, text=True, timeout=600, env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
     out = proc.stdout
-    rows = dict(re.findall(r"^\| (zb_h1|1f1b|zb_h2|zb_auto) \| ([\d.]+) \|$", out, re.M))
+    row = r"\| ([\d.]+) \| ([\d.]+) \| ([\d.]+) \| (yes|no) \|$"  # step, predicted, their ratio, fits
+    rows = {m[0]: m[1:] for m in re.findall(r"^\| (zb_h1|1f1b|zb_h2|zb_auto) " + row, out, re.M)}
     assert sorted(rows) == ["1f1b", "zb_auto", "zb_h1", "zb_h2"], out
-    assert re.search(r"^\| auto \((zb_h1|1f1b|zb_h2|zb_auto)\) \| [\d.]+ \|$", out, re.M), out
+    assert rows["zb_h1"][3] == "yes" and rows["zb_h2"][3] == "no", rows  # zb_h2 holds more than zb_h1
+    assert re.search(r"^\| auto \((zb_h1|1f1b|zb_h2|zb_auto)\) " + row, out, re.M), out
+    # --breakdown: per schedule and rank, compute actions and sends counted; the safe default's
+    # timing step against the timed steps.
+    parts = re.findall(r"^\| (zb_h1|1f1b|zb_h2|zb_auto|auto) \| ([01]) \| [\d.]+ \| [\d.]+ \((\d+)\) \| [\d.]+ \| "
+                       r"[\d.]+ \((\d+)\) \| -?[\d.]+ \|$", out, re.M)
+    assert len(parts) == 10, out
+    actions = {(name, rank): int(n) for name, rank, n, _ in parts}
+    assert actions[("1f1b", "1")] == 16 and actions[("zb_h1", "1")] == 24, actions  # B against I + W
+    assert {int(sends) for *_, sends in parts} == {8}, parts  # every candidate: one send per microbatch
+    assert re.search(r"^zb_h1: simulated under the timing step's costs [\d.]+ ms, under the timed steps' [\d.]+ ms", out, re.M), out
     assert re.search(r"auto / best fixed \(\w+\): [\d.]+ .* predicted / measured \(median\): [\d.]+", out), out
     assert "<- chosen" in out, out
     m = re.search(r"budget \d+ B/rank \(0.95 of \d+, zb_h1's peak\): auto picks (\w+), peak \d+ B \(fits: (\w+)\)", out)
