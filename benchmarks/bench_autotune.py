@@ -12,7 +12,8 @@ stages, rank r holding r and r+2 (the head on rank 1).
 
 Every fixed candidate of the placement (ScheduleAuto's list; the cost-driven ones compiled at
 unit costs, as a user without measurements would) and ScheduleAuto (tuned over its first 1 +
---timing-steps steps, then running its choice) run on the same weights, alternating step by step after warm-up;
+--timing-steps steps and, with --trial-steps K, a trial of the candidates it cannot tell apart,
+then running its choice) run on the same weights, alternating step by step after warm-up;
 each cell is the median step time on rank 0, between barriers. Printed: each candidate's step,
 ScheduleAuto's step over the best fixed one (goal <= 1.05) and over the best fixed one whose
 simulated peak fits the budget (those ScheduleAuto may pick), its prediction over its measured
@@ -161,8 +162,8 @@ def _bench(rank: int, world: int, a: dict) -> None:
                 if rank == 0:
                     print(f"# {placement}: {name} not built: {str(e).splitlines()[0][:100]}", flush=True)
         auto = zbpipe.ScheduleAuto(_stages(mods, n, mine), M, loss_fn=F.cross_entropy,
-                                   timing_steps=a["timing_steps"])
-        for _ in range(1 + a["timing_steps"]):  # the tuning: memory (step 1), times, then the switch
+                                   timing_steps=a["timing_steps"], trial_steps=a["trial_steps"])
+        while not auto.tuned:  # the tuning: memory (step 1), times, a trial if asked, then the switch
             _timed(auto, x, y, first, last, mods)
         runs["auto"] = auto
         times: dict[str, list[float]] = {k: [] for k in runs}
@@ -211,8 +212,9 @@ def _bench(rank: int, world: int, a: dict) -> None:
             budget = a["budget_fraction"] * max(ref[0])
             try:
                 tight = zbpipe.ScheduleAuto(_stages(mods, n, mine), M, loss_fn=F.cross_entropy,
-                                            activation_budget=budget, timing_steps=a["timing_steps"])
-                for _ in range(1 + a["timing_steps"]):
+                                            activation_budget=budget, timing_steps=a["timing_steps"],
+                                            trial_steps=a["trial_steps"])
+                while not tight.tuned:
                     _timed(tight, x, y, first, last, mods)
                 if rank == 0:
                     c = next(c for c in tight.tuning.candidates if c.name == tight.choice)
@@ -232,12 +234,13 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--budget-fraction", type=float, default=0.95)
     p.add_argument("--timing-steps", type=int, default=1, help="ScheduleAuto's timing_steps")
+    p.add_argument("--trial-steps", type=int, default=0, help="ScheduleAuto's trial_steps")
     p.add_argument("--breakdown", action="store_true", help="per candidate and rank: where the step's time went")
     ns = p.parse_args(argv)
     a = vars(ns) | {"placements": ns.placements.split(",")}
     print(f"# bench_autotune: pp={PP}, {M} microbatches of {ROWS} rows, d={D}, vocab={VOCAB}, torch "
           f"{torch.__version__}, Gloo, 1 thread per rank; {ns.warmup} warm-up, {ns.reps} timed steps; "
-          f"ScheduleAuto timing_steps={ns.timing_steps}", flush=True)
+          f"ScheduleAuto timing_steps={ns.timing_steps}, trial_steps={ns.trial_steps}", flush=True)
     run_local(_bench, PP, (a,), timeout_s=1800, pg_timeout_s=300, threads=1)
     return 0
 

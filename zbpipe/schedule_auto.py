@@ -74,6 +74,7 @@ class Candidate:
     peak_bytes: list[float]    # simulated peak_memory per rank
     fits: bool
     note: str = ""
+    trial_s: list[float] = dataclasses.field(default_factory=list)  # its trial steps' wall times (slowest rank)
 
 
 def _judge(name: str, program: _C.Program, model: dict, overhead_s: float, budget: list[float]) -> Candidate:
@@ -102,6 +103,8 @@ class Tuning:
     unseen_memory: list = dataclasses.field(default_factory=list)  # stages whose saved bytes were not seen
     model: dict = dataclasses.field(default_factory=dict)  # simulate()'s keywords every candidate ran under
     timing_steps: int = 1  # steps whose action times (pooled) and wall times (median) it planned from
+    trial: list[str] = dataclasses.field(default_factory=list)  # candidates tried in real steps (trial_steps)
+    planned: str = ""  # the choice by prediction alone (the trial's first candidate)
 
     def predict(self, program: _C.Program) -> Candidate:
         """Any program of this pipeline judged as the candidates were: its predicted step (the
@@ -128,6 +131,13 @@ class Tuning:
         measured = "" if self.measured_step_s is None else (
             f", measured {self.measured_step_s * 1e3:.3f} ms (predicted/measured "
             f"{self.predicted_s / self.measured_step_s:.2f})")
+        tried = [c for c in self.candidates if c.name in self.trial]
+        if tried and tried[0].trial_s:
+            steps = ", ".join(f"{c.name} {statistics.median(c.trial_s) * 1e3:.3f} ms" for c in tried)
+            lines.append(f"trial, median of {len(tried[0].trial_s)} steps each (slowest rank): {steps}; "
+                         f"by prediction alone: {self.planned}")
+        elif tried:
+            lines.append(f"trial in progress: {', '.join(c.name for c in tried)}")
         lines.append(f"choice: {self.choice}, predicted {self.predicted_s * 1e3:.3f} ms{measured}")
         if self.unseen_memory:
             lines.append(f"stages {self.unseen_memory}: saved tensors not seen (hooks inside the module), "
@@ -149,6 +159,13 @@ class ScheduleAuto:
             Their action times are pooled (the median per stage and kind over every microbatch
             of every one of them) and their wall times taken at the median, so one step
             slowed by other load on the host plans less of the choice.
+        trial_steps: with K >= 1, the fitting candidates predicted within trial_margin of the
+            least (the model's resolution: the same actions run a few percent faster under some
+            schedules, which costs measured under one cannot show) are tried in real training
+            steps, K rounds of one step each, before the choice: the one with the least median
+            step (slowest rank) runs from then on; none or one near the least: no trial. 0
+            (default): the least prediction decides.
+        trial_margin: how near the least prediction a candidate must be to be tried (0.05).
         **kwargs: the schedule classes' keywords (timeout, overlap_f_b, ...).
 
     The pipeline group must be one torch.distributed knows (all_gather_object runs over it).
@@ -160,7 +177,7 @@ class ScheduleAuto:
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None, *,
                  activation_budget: float | None = None, retune_every: int | None = None,
-                 timing_steps: int = 1, **kwargs):
+                 timing_steps: int = 1, trial_steps: int = 0, trial_margin: float = 0.05, **kwargs):
         if loss_fn is None:
             raise ValueError("ScheduleAuto tunes a training step: give a loss_fn")
         if timing_steps < 1:
@@ -168,7 +185,10 @@ class ScheduleAuto:
         if retune_every is not None and retune_every < 1 + timing_steps:
             raise ValueError(f"retune_every must be >= {1 + timing_steps} (a tuning spans 1 + timing_steps "
                              f"steps) or None, got {retune_every}")
-        self._timing_steps = timing_steps
+        if trial_steps < 0 or trial_margin < 0:
+            raise ValueError(f"trial_steps and trial_margin must be >= 0, got {trial_steps}, {trial_margin}")
+        self._timing_steps, self._trial_steps, self._trial_margin = timing_steps, trial_steps, trial_margin
+        self._trial: dict | None = None  # a trial of near candidates in progress (trial_steps)
         self._stages = _rank_stages(stages)
         first = self._stages[0]
         self._group, self._pp, self._rank = first.group, first.group_size, first.group_rank
@@ -200,12 +220,20 @@ class ScheduleAuto:
     def choice(self) -> str:
         return self._current.program.schedule
 
+    @property
+    def tuned(self) -> bool:
+        """Whether a tuning has ended, its trial included: its choice runs from the next step
+        (until a re-tune)."""
+        return self.tuning is not None and self._pending is None and self._trial is None
+
     def step(self, *args, **kwargs):
         """One training step (zbpipe.PipelineSchedule.step's semantics). A tuning spans 1 +
         timing_steps steps of the measuring schedule: the first measures the memory deltas (the
         probe's pack hooks slow it, and a first step also warms up), the others the times; the
         ranks then gather, plan and switch for the step after."""
         self._steps += 1
+        if self._trial is not None:  # a tuning's trial first (a re-tune falling inside it is skipped)
+            return self._trial_step(args, kwargs)
         # A tuning starts at step 1 (or, until one ends, at the step after one a shape change
         # refused) and, with retune_every, at steps kN + 1.
         due = self.tuning is None or (self._retune is not None and (self._steps - 1) % self._retune == 0)
@@ -232,20 +260,24 @@ class ScheduleAuto:
                              records=[], walls=[])
         return out
 
-    def _timing_step(self, args, kwargs):
-        pending = self._pending
+    def _check_shapes(self, shapes: list, first: int, args, kwargs) -> None:
+        """ScheduleError on every rank, before the step runs, when its shapes differ from those
+        of the tuning's memory step (step `first`) on some rank."""
         # Every rank checks before the step runs, so no rank enters a step the others refuse.
         changed = [None] * self._pp
-        dist.all_gather_object(changed, _shapes(args, kwargs) != pending["shapes"], group=self._group)
+        dist.all_gather_object(changed, _shapes(args, kwargs) != shapes, group=self._group)
         if any(changed):
-            self._pending = None
-            first = self._steps - 1 - len(pending["walls"])
+            self._pending = self._trial = None
             raise _C.ScheduleError(
                 f"ScheduleAuto: the step's shapes changed during a tuning (on rank(s) "
                 f"{[r for r, c in enumerate(changed) if c]}, between the step that measured memory "
                 f"(step {first}) and one that measures times (step {self._steps})): "
                 "measurements of two shapes plan for neither. Tune on steps of one shape "
                 "(retune_every=None, or a period that starts after the shapes settle)")
+
+    def _timing_step(self, args, kwargs):
+        pending = self._pending
+        self._check_shapes(pending["shapes"], self._steps - 1 - len(pending["walls"]), args, kwargs)
         start = time.perf_counter()
         out = pending["measuring"].step(*args, **kwargs)
         pending["walls"].append(time.perf_counter() - start)
@@ -253,8 +285,37 @@ class ScheduleAuto:
         if len(pending["walls"]) == self._timing_steps:
             self._pending = None
             self._tune(pending["measuring"], pending["deltas"], pending["records"],
-                       statistics.median(pending["walls"]))
+                       statistics.median(pending["walls"]), pending["shapes"])
         return out
+
+    def _trial_step(self, args, kwargs):
+        trial = self._trial
+        self._check_shapes(trial["shapes"], trial["first"], args, kwargs)
+        start = time.perf_counter()
+        out = self._current.step(*args, **kwargs)
+        trial["walls"].append(time.perf_counter() - start)
+        if len(trial["walls"]) < len(trial["order"]):
+            self._current = trial["schedules"][trial["order"][len(trial["walls"])][0]]
+        else:
+            self._end_trial()
+        return out
+
+    def _end_trial(self) -> None:
+        """Every rank takes the same choice: the trial candidate with the least median step,
+        each step's time being the slowest rank's (ties: the first in candidate order)."""
+        trial, self._trial = self._trial, None
+        every = [None] * self._pp
+        dist.all_gather_object(every, trial["walls"], group=self._group)
+        slowest = [max(w) for w in zip(*every)]
+        t = self.tuning
+        for c in t.candidates:
+            c.trial_s = [w for (name, counted), w in zip(trial["order"], slowest) if counted and name == c.name]
+        tried = [c for c in t.candidates if c.trial_s]
+        least = min(statistics.median(c.trial_s) for c in tried)
+        best = next(c for c in tried if statistics.median(c.trial_s) <= least * (1 + 1e-9))
+        t.choice, t.predicted_s = best.name, best.predicted_s
+        self._current = trial["schedules"][best.name]
+        self._after = []
     def eval(self, *args, **kwargs):
         return self._current.eval(*args, **kwargs)
 
@@ -359,7 +420,8 @@ class ScheduleAuto:
         scaled["mem_w"] = [m * scale[s] for s, m in enumerate(opts["mem_w"])]
         return _compile(name, self._pp, self._n, self._spr, **scaled, memory_cap=cap)
 
-    def _tune(self, measuring: PipelineSchedule, deltas: dict, records: list, step_s: float) -> None:
+    def _tune(self, measuring: PipelineSchedule, deltas: dict, records: list, step_s: float,
+              shapes: list) -> None:
         mine = self._measurements(measuring, deltas, records, step_s)
         costs, deltas, comm, step_s = self._merge(self._gather(mine))
         model = compile_costs({s: {**costs[s], **deltas[s]} for s in costs}, self._num_stages)
@@ -404,9 +466,29 @@ class ScheduleAuto:
         best = next(c for c in fitting if c.predicted_s <= least * (1 + 1e-9))
         self.tuning = Tuning(self._steps, costs, deltas, comm, budget, candidates, best.name, best.predicted_s,
                              overhead_s=overhead, clock=self._clock, unseen_memory=unseen, model=sim,
-                             timing_steps=self._timing_steps)
+                             timing_steps=self._timing_steps, planned=best.name)
         self._after = []
         self.history.append(self.tuning)
-        chosen = programs[best.name]
-        if chosen.to_csv_text() != self._current.program.to_csv_text():  # the same program: keep it
-            self._current = self._schedule_for(best.name, chosen)
+        # The same program as the one running: keep its schedule (and executor).
+        keep = lambda name: (self._current if programs[name].to_csv_text() == self._current.program.to_csv_text()  # noqa: E731
+                             else self._schedule_for(name, programs[name]))
+        near, seen = [], set()  # candidates building the same program are tried once, as the first
+        for c in fitting:
+            text = programs[c.name].to_csv_text()
+            if c.predicted_s <= least * (1 + self._trial_margin) and text not in seen:
+                near.append(c.name)
+                seen.add(text)
+        if self._trial_steps == 0 or len(near) < 2:
+            self._current = keep(best.name)
+            return
+        # The trial: round-robin over the near candidates (the predicted best first), one step
+        # each per round, after one uncounted step of each schedule that has not run yet (a
+        # schedule's first step sets up its executor: 10-20 ms more here).
+        self.tuning.trial = near
+        schedules = {name: keep(name) for name in near}
+        rounds = sorted(near, key=lambda n: n != best.name)
+        warm = [(n, False) for n in rounds if schedules[n]._last is None]
+        order = warm + [(n, True) for n in rounds] * self._trial_steps
+        self._trial = dict(order=order, walls=[], shapes=shapes, first=self._steps - self._timing_steps,
+                           schedules=schedules)
+        self._current = schedules[order[0][0]]

@@ -292,6 +292,64 @@ def test_timing_steps_is_checked_against_itself_and_retune_every():
         zbpipe.ScheduleAuto([], M, loss_fn=F.mse_loss, timing_steps=3, retune_every=3)
 
 
+def _trial(rank, pp, placement):
+    # A margin that takes in every fitting candidate, so the trial always runs.
+    sched, stages, _ = _auto(rank, pp, placement, trial_steps=2, trial_margin=10.0)
+    programs, tuned = [], []
+    while tuned.count(True) < 2:  # until the choice has run two steps
+        programs.append(sched.program.to_csv_text())  # the program this step runs
+        _step(sched, stages, len(programs) - 1)
+        tuned.append(sched.tuned)
+        assert len(programs) < 40
+    t = sched.tuning
+    grads = {(s.stage_index, n): p.grad.clone() for s in stages for n, p in s.submod.named_parameters()}
+    return dict(programs=programs, tuned=tuned, grads=grads, trial=t.trial, planned=t.planned, choice=t.choice,
+                running=sched.choice, walls={c.name: c.trial_s for c in t.candidates}, table=t.table(),
+                fits=[c.name for c in t.candidates if c.fits], safe=FAMILIES[placement][0])
+
+
+@pytest.mark.parametrize("placement", ["one", "v"])
+def test_a_trial_runs_the_near_candidates_in_real_steps_and_keeps_the_fastest(spawn_world, placement):
+    results = spawn_world(PP).run(_trial, placement, timeout_s=240)
+    a, b = results
+    steps = len(a["programs"])
+    mods = build("mlp", len(LAYOUTS[placement]))
+    for k in range(steps):
+        x, y = data("mlp", 2 * M, seed=k + 1)
+        F.mse_loss(call_chain(mods, x), y).backward()
+    for res in results:  # exact across the measuring steps, every trial step and the choice
+        for (stage, name), g in res["grads"].items():
+            assert_close(g, dict(mods[stage].named_parameters())[name].grad, msg=f"trial {stage}.{name}")
+    assert a["programs"] == b["programs"] and a["choice"] == b["choice"], "the ranks diverged"
+    near = a["trial"]
+    # Every fitting candidate, in candidate order, but one per distinct program.
+    fitting = [n for n in FAMILIES[placement][1] if n in a["fits"]]
+    assert len(near) >= 2 and near == [n for n in fitting if n in near], (near, fitting)
+    # Steps 3.. run first one uncounted step of each near candidate not run yet (the safe
+    # default has run), then the near candidates round-robin, the predicted best first, two
+    # rounds; the tuning ends with the last of them and the choice runs after.
+    order = sorted(near, key=lambda n: n != a["planned"]) * 2
+    warm = a["tuned"].index(True) - 1 - len(order)
+    assert warm == len(near) - (a["safe"] in near), (warm, near)
+    trial_programs = a["programs"][2 + warm:2 + warm + len(order)]
+    assert len(set(trial_programs)) == len(near), "each near candidate ran its own program"
+    assert trial_programs[:len(near)] == trial_programs[len(near):], "two rounds in the same order"
+    assert set(a["programs"][2:2 + warm]) <= set(trial_programs), "the uncounted steps run near candidates"
+    # Every rank keeps the candidate with the least median of its (slowest-rank) trial steps.
+    import statistics
+    walls = {n: w for n, w in a["walls"].items() if w}
+    assert sorted(walls) == sorted(near) and all(len(w) == 2 for w in walls.values()), walls
+    best = min(near, key=lambda n: (statistics.median(walls[n]), near.index(n)))
+    assert a["choice"] == best == a["running"], (a["choice"], walls)
+    assert a["programs"][2 + warm + len(order):] == [trial_programs[order.index(best)]] * (steps - 2 - warm - len(order))
+    assert "trial, median of 2 steps each" in a["table"] and f"by prediction alone: {a['planned']}" in a["table"]
+
+
+def test_trial_arguments_are_checked():
+    with pytest.raises(ValueError, match="trial_steps and trial_margin must be >= 0"):
+        zbpipe.ScheduleAuto([], M, loss_fn=F.mse_loss, trial_steps=-1)
+
+
 def _pooled(rank, pp):
     from zbpipe.stage_costs import profile_from_trace
 
