@@ -206,6 +206,7 @@ class ScheduleAuto:
         self._current = self._schedule_for(self._safe, _compile(self._safe, self._pp, n_microbatches, self._spr))
         self._steps = 0
         self._pending: dict | None = None  # a tuning between its memory step and its timing step
+        self._refused = False  # a shape change ended a tuning early: the next step tunes afresh
         self._after: list[float] = []      # step times after the last switch (measured_step_s)
         self.tuning: Tuning | None = None
         self.history: list[Tuning] = []
@@ -224,7 +225,7 @@ class ScheduleAuto:
     def tuned(self) -> bool:
         """Whether a tuning has ended, its trial included: its choice runs from the next step
         (until a re-tune)."""
-        return self.tuning is not None and self._pending is None and self._trial is None
+        return self.tuning is not None and self._pending is None and self._trial is None and not self._refused
 
     def step(self, *args, **kwargs):
         """One training step (zbpipe.PipelineSchedule.step's semantics). A tuning spans 1 +
@@ -234,9 +235,10 @@ class ScheduleAuto:
         self._steps += 1
         if self._trial is not None:  # a tuning's trial first (a re-tune falling inside it is skipped)
             return self._trial_step(args, kwargs)
-        # A tuning starts at step 1 (or, until one ends, at the step after one a shape change
-        # refused) and, with retune_every, at steps kN + 1.
-        due = self.tuning is None or (self._retune is not None and (self._steps - 1) % self._retune == 0)
+        # A tuning starts at step 1, at the step after one a shape change refused (during the
+        # timing steps or the trial) and, with retune_every, at steps kN + 1.
+        due = (self.tuning is None or self._refused or
+               (self._retune is not None and (self._steps - 1) % self._retune == 0))
         if due and self._pending is None:
             return self._memory_step(args, kwargs)
         if self._pending is not None:
@@ -249,6 +251,7 @@ class ScheduleAuto:
         return out
 
     def _memory_step(self, args, kwargs):
+        self._refused = False
         measuring = self._current if self._splits(self._current.program) else self._schedules[self._safe]
         shapes = _shapes(args, kwargs)
         measuring.measure_memory = True
@@ -268,6 +271,7 @@ class ScheduleAuto:
         dist.all_gather_object(changed, _shapes(args, kwargs) != shapes, group=self._group)
         if any(changed):
             self._pending = self._trial = None
+            self._refused = True
             raise _C.ScheduleError(
                 f"ScheduleAuto: the step's shapes changed during a tuning (on rank(s) "
                 f"{[r for r, c in enumerate(changed) if c]}, between the step that measured memory "
@@ -316,6 +320,7 @@ class ScheduleAuto:
         t.choice, t.predicted_s = best.name, best.predicted_s
         self._current = trial["schedules"][best.name]
         self._after = []
+
     def eval(self, *args, **kwargs):
         return self._current.eval(*args, **kwargs)
 
@@ -469,9 +474,10 @@ class ScheduleAuto:
                              timing_steps=self._timing_steps, planned=best.name)
         self._after = []
         self.history.append(self.tuning)
-        # The same program as the one running: keep its schedule (and executor).
-        keep = lambda name: (self._current if programs[name].to_csv_text() == self._current.program.to_csv_text()  # noqa: E731
-                             else self._schedule_for(name, programs[name]))
+        def keep(name: str) -> PipelineSchedule:  # the running schedule (and executor) for its own program
+            same = programs[name].to_csv_text() == self._current.program.to_csv_text()
+            return self._current if same else self._schedule_for(name, programs[name])
+
         near, seen = [], set()  # candidates building the same program are tried once, as the first
         for c in fitting:
             text = programs[c.name].to_csv_text()
@@ -483,7 +489,7 @@ class ScheduleAuto:
             return
         # The trial: round-robin over the near candidates (the predicted best first), one step
         # each per round, after one uncounted step of each schedule that has not run yet (a
-        # schedule's first step sets up its executor: 10-20 ms more here).
+        # schedule's first step sets up its executor and runs slower).
         self.tuning.trial = near
         schedules = {name: keep(name) for name in near}
         rounds = sorted(near, key=lambda n: n != best.name)

@@ -280,6 +280,31 @@ def test_a_shape_change_during_a_tuning_fails_every_rank_before_the_step(spawn_w
         assert after == [4], after
 
 
+def _shape_change_in_trial(rank, pp):
+    sched, stages, _ = _auto(rank, pp, "one", trial_steps=1, trial_margin=10.0)
+    _step(sched, stages, 0)
+    _step(sched, stages, 1)
+    assert sched.tuning is not None and not sched.tuned  # the trial runs from step 3
+    x, y = data("mlp", 4 * M, seed=3)  # another shape during the trial
+    try:
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+    except zbpipe.ScheduleError as e:
+        msg = str(e)
+    else:
+        return "no error", None
+    while not sched.tuned:  # a fresh tuning at the new shape, its trial included
+        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+        assert sched._steps < 30
+    return msg, [t.step for t in sched.history]
+
+
+def test_a_shape_change_during_a_trial_refuses_the_step_and_tunes_afresh(spawn_world):
+    for msg, after in spawn_world(PP).run(_shape_change_in_trial, timeout_s=120):
+        assert "shapes changed during a tuning" in msg and "step 1" in msg and "(step 3)" in msg, msg
+        # Steps 4 (memory) and 5 (times) tune again at the new shape.
+        assert after == [2, 5], after
+
+
 def test_retune_every_below_two_is_refused():
     with pytest.raises(ValueError, match="retune_every must be >= 2"):
         zbpipe.ScheduleAuto([], M, loss_fn=F.mse_loss, retune_every=1)
