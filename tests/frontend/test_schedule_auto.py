@@ -258,51 +258,35 @@ def test_retune_every_measures_again_and_keeps_a_program_it_picks_again(spawn_wo
         assert sched6 == sched3, a["runs"]
 
 
-def _shape_change(rank, pp):
-    sched, stages, _ = _auto(rank, pp, "one")
-    _step(sched, stages, 0)
-    x, y = data("mlp", 4 * M, seed=2)  # twice the rows: another shape, mid-tuning
-    try:
-        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
-    except zbpipe.ScheduleError as e:
-        msg = str(e)
-    else:
-        return "no error", None
-    for _ in range(2):
-        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
-    return msg, [t.step for t in sched.history]
-
-
-def test_a_shape_change_during_a_tuning_fails_every_rank_before_the_step(spawn_world):
-    for msg, after in spawn_world(PP).run(_shape_change, timeout_s=120):
-        assert "shapes changed during a tuning (on rank(s) [0, 1]" in msg and "step 1" in msg, msg
-        # The refused step ran nothing: the next two steps, of the new shape, tune afresh.
-        assert after == [4], after
-
-
-def _shape_change_in_trial(rank, pp):
+def _shape_change(rank, pp, tuned_steps):
+    """The first `tuned_steps` steps at one shape, the next at another (during the timing step,
+    or with a trial during the trial), then steps of the new shape until a tuning ends."""
     sched, stages, _ = _auto(rank, pp, "one", trial_steps=1, trial_margin=10.0)
-    _step(sched, stages, 0)
-    _step(sched, stages, 1)
-    assert sched.tuning is not None and not sched.tuned  # the trial runs from step 3
-    x, y = data("mlp", 4 * M, seed=3)  # another shape during the trial
+    for k in range(tuned_steps):
+        _step(sched, stages, k)
+    x, y = data("mlp", 4 * M, seed=2)  # twice the rows: another shape, mid-tuning
+    new_shape = lambda: sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)  # noqa: E731
     try:
-        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+        new_shape()
     except zbpipe.ScheduleError as e:
         msg = str(e)
     else:
         return "no error", None
     while not sched.tuned:  # a fresh tuning at the new shape, its trial included
-        sched.step(*((x,) if rank == 0 else ()), target=y if rank == 1 else None)
+        new_shape()
         assert sched._steps < 30
     return msg, [t.step for t in sched.history]
 
 
-def test_a_shape_change_during_a_trial_refuses_the_step_and_tunes_afresh(spawn_world):
-    for msg, after in spawn_world(PP).run(_shape_change_in_trial, timeout_s=120):
-        assert "shapes changed during a tuning" in msg and "step 1" in msg and "(step 3)" in msg, msg
-        # Steps 4 (memory) and 5 (times) tune again at the new shape.
-        assert after == [2, 5], after
+@pytest.mark.parametrize("tuned_steps, refused_at, steps", [(1, 2, [4]), (2, 3, [2, 5])])
+def test_a_shape_change_during_a_tuning_fails_every_rank_before_the_step(spawn_world, tuned_steps, refused_at,
+                                                                         steps):
+    for msg, after in spawn_world(PP).run(_shape_change, tuned_steps, timeout_s=120):
+        assert "shapes changed during a tuning (on rank(s) [0, 1]" in msg and "step 1" in msg, msg
+        assert f"(step {refused_at})" in msg, msg
+        # The refused step ran nothing: the next two steps, of the new shape, tune afresh (step 1
+        # refused during the timing step, step 3 during the trial).
+        assert after == steps, after
 
 
 def test_retune_every_below_two_is_refused():
