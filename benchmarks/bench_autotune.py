@@ -26,7 +26,10 @@ less receive waits) and their count, receive waits, send records (host time of t
 post sends) and the sends' count, and the rest (before the first record, after the last, and
 between records); then, for the safe default, its simulated makespan under the timing step's
 costs against under the timed steps' own medians, and the time that simulation leaves out in
-the timed steps against in the timing step (the tuning's unmodelled time). `--budget-fraction` (default 0.95) then tunes once
+the timed steps against in the timing step (the tuning's unmodelled time). `--confirm R` then
+runs R fresh steps each of ScheduleAuto, the best fixed candidate and the best one within the
+budget, alternating, and prints the ratios from those: the best of several noisy medians is
+biased low (the minimum keeps the luckiest), fresh steps of the picks are not. `--budget-fraction` (default 0.95) then tunes once
 more with an activation budget that fraction of the safe default's simulated peak (zb_h1 or
 zbv, 1F1B's memory): a budget that schedule does not fit; ScheduleAuto's choice, which must
 fit, and the candidates that fit are printed (or its error naming the smallest need).
@@ -203,8 +206,25 @@ def _bench(rank: int, world: int, a: dict) -> None:
                   f"predicted / measured (median): {t.predicted_s / med['auto']:.3f} (goal 0.90-1.10)")
             print(t.table(), flush=True)
             safe = next(c for c in t.candidates if c.name == FAMILIES[placement][0])
+            picked = [best, best_within]
         else:
-            safe = None
+            safe, picked = None, [None, None]
+        if a["confirm"]:
+            # The best of several noisy medians is biased low (each candidate's median carries
+            # the machine's noise, and the minimum keeps the luckiest): fresh steps of the two
+            # picks against ScheduleAuto, alternating, measure them without that bias.
+            dist.broadcast_object_list(picked, src=0)
+            again = {k: runs[k] for k in dict.fromkeys(["auto", *picked])}
+            fresh: dict[str, list[float]] = {k: [] for k in again}
+            for _ in range(a["confirm"]):
+                for k, s in again.items():
+                    fresh[k].append(_timed(s, x, y, first, last, mods))
+            if rank == 0:
+                med2 = {k: statistics.median(v) for k, v in fresh.items()}
+                print(f"confirmation, {a['confirm']} fresh steps each, alternating: auto / best fixed "
+                      f"({picked[0]}): {med2['auto'] / med2[picked[0]]:.3f}; auto / best fixed within the "
+                      f"budget ({picked[1]}): {med2['auto'] / med2[picked[1]]:.3f}; predicted / measured: "
+                      f"{auto.tuning.predicted_s / med2['auto']:.3f}", flush=True)
         # A budget below the safe default's peak (1F1B's memory, split: zb_h1 or zbv).
         ref = [safe.peak_bytes if safe else None]
         dist.broadcast_object_list(ref, src=0)
@@ -235,6 +255,8 @@ def main(argv=None) -> int:
     p.add_argument("--budget-fraction", type=float, default=0.95)
     p.add_argument("--timing-steps", type=int, default=1, help="ScheduleAuto's timing_steps")
     p.add_argument("--trial-steps", type=int, default=0, help="ScheduleAuto's trial_steps")
+    p.add_argument("--confirm", type=int, default=0,
+                   help="fresh steps of auto and the two best fixed picks, alternating, to measure them unbiased")
     p.add_argument("--breakdown", action="store_true", help="per candidate and rank: where the step's time went")
     ns = p.parse_args(argv)
     a = vars(ns) | {"placements": ns.placements.split(",")}

@@ -1,7 +1,8 @@
 """bench_autotune runs end to end on one placement: every fixed candidate and ScheduleAuto get a
 measured step and a prediction, the ratios and the tuning table are printed, `--breakdown` says
-per rank where each step went (every candidate posting the same sends), and under a budget below
-the safe default's peak ScheduleAuto picks a candidate that fits. No timing is asserted."""
+per rank where each step went (every candidate posting the same sends), `--confirm` measures
+the picks again in fresh steps, and under a budget below the safe default's peak ScheduleAuto
+picks a candidate that fits. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_bench_autotune_measures_every_candidate_and_fits_the_budget():
     proc = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_autotune.py"), "--placements", "one",
-         "--warmup", "0", "--reps", "1", "--breakdown"],
+         "--warmup", "0", "--reps", "1", "--breakdown", "--confirm", "1"],
         cwd=NEUTRAL_CWD, capture_output=True, text=True, timeout=600, env=child_env(),
     )
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -39,5 +40,9 @@ def test_bench_autotune_measures_every_candidate_and_fits_the_budget():
     assert re.search(r"^zb_h1: simulated under the timing step's costs [\d.]+ ms, under the timed steps' [\d.]+ ms", out, re.M), out
     assert re.search(r"auto / best fixed \(\w+\): [\d.]+ .* predicted / measured \(median\): [\d.]+", out), out
     assert "<- chosen" in out, out
+    # --confirm: fresh alternating steps of auto and the two picks, ratios from those.
+    assert re.search(r"^confirmation, 1 fresh steps each, alternating: auto / best fixed \((zb_h1|1f1b|zb_h2|zb_auto)\): "
+                     r"[\d.]+; auto / best fixed within the budget \(\w+\): [\d.]+; predicted / measured: [\d.]+$",
+                     out, re.M), out
     m = re.search(r"budget \d+ B/rank \(0.95 of \d+, zb_h1's peak\): auto picks (\w+), peak \d+ B \(fits: (\w+)\)", out)
     assert m and m.group(1) != "zb_h1" and m.group(2) == "True", out
