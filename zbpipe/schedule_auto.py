@@ -113,8 +113,8 @@ class Tuning:
         return _judge(program.schedule, program, self.model, self.overhead_s, self.budget)
 
     def table(self) -> str:
-        lines = [f"ScheduleAuto tuning at step {self.step} ({self.clock} times of {self.timing_steps} "
-                 f"step{'s' if self.timing_steps > 1 else ''}): comm {self.comm_s * 1e6:.1f} us, "
+        lines = [f"ScheduleAuto tuning at step {self.step} ({self.clock} times) over {self.timing_steps} timing "
+                 f"step{'s' if self.timing_steps > 1 else ''}: comm {self.comm_s * 1e6:.1f} us, "
                  f"budget {max(self.budget):.0f} bytes/rank, unmodelled {self.overhead_s * 1e3:.3f} ms/step"]
         lines.append(f"{'stage':>5} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'mem_f B':>10} {'mem_w B':>10}")
         for s in sorted(self.costs):

@@ -381,7 +381,7 @@ def test_timing_steps_pool_the_action_times_of_every_timing_step(spawn_world):
     for res in spawn_world(PP).run(_pooled, timeout_s=240):
         # Step 1 measures memory, steps 2-4 time the actions; the tuning ends with step 4.
         assert res["tuned"] == [False, False, False, True, True], res["tuned"]
-        assert res["at"] == 4 and res["steps"] == 3 and "of 3 steps" in res["table"], res["table"]
+        assert res["at"] == 4 and res["steps"] == 3 and "(host times) over 3 timing steps" in res["table"], res["table"]
         for s in res["mine"]:
             for kind in "fiw":
                 # The median over every microbatch of the three steps, not the last step's.
