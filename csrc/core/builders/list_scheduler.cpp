@@ -213,7 +213,7 @@ class ListScheduler {
   // Each knob check that splits the set appends to `forks` a copy of this run as it stood
   // before the check, holding the points that decide otherwise and set to the first of them;
   // this run goes on with the points that decided as it did.
-  ListRunResult run(const RunBound& bound, std::vector<ListRun>* forks) {
+  ListRunResult run(const RunBound& bound, std::vector<ListRun>& forks) {
     while (left_ > 0) {
       poll_cancel();
       // A proposal reads the run's state and changes none of it, so a fork taken while one is
@@ -222,10 +222,7 @@ class ListScheduler {
       for (; dirty_at_ < dirty_.size(); ++dirty_at_) {
         const int r = dirty_[dirty_at_];
         const Proposal pr = propose(r);
-        if (!splits_.empty()) {
-          ZB_CHECK(forks != nullptr, "a one-point run cannot fork");
-          fork(forks);
-        }
+        if (!splits_.empty()) fork(forks);
         props_[r] = pr;
         dirty_flag_[r] = 0;
         tree_.update(r, pr);
@@ -283,14 +280,14 @@ class ListScheduler {
 
   // One fork per split the last proposal made: this run as it stands (the proposal not yet
   // stored), with the split-off points.
-  void fork(std::vector<ListRun>* forks) {
+  void fork(std::vector<ListRun>& forks) {
     std::vector<PolicySet> splits;
     splits.swap(splits_);
     for (const PolicySet& part : splits) {
       auto other = std::make_unique<ListScheduler>(*this);
       other->cell_ = part;
       other->use_first_point();
-      forks->emplace_back(std::move(other));
+      forks.emplace_back(std::move(other));
     }
   }
 
@@ -706,26 +703,11 @@ class ListScheduler {
 using list_run::ListScheduler;
 using list_run::ListTables;
 
-ListRunResult run_list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
-                                const std::vector<double>& cap, const PolicyGrid& grid,
-                                const PolicyIndex& at) {
-  PolicySet one;
-  for (int k = 0; k < kNumKnobs; ++k) {
-    ZB_CHECK(at[k] >= 0 && at[k] < grid.size(static_cast<Knob>(k)), "grid index out of range");
-    one.bits[k] = 1u << at[k];
-  }
-  ListRun run(p, costs, memory, cap, grid, one);
-  std::vector<ListRun> none;
-  const ListRunResult res = run.play({}, none);
-  run.take_program(p);
-  return res;
-}
-
 ListRun::ListRun(const Program& shell, const CostModel& costs, const MemoryModel& memory,
                  const std::vector<double>& cap, const PolicyGrid& grid, const PolicySet& set) {
   ZB_CHECK(static_cast<int>(cap.size()) == shell.pp, "cap needs one value per rank");
   for (int k = 0; k < kNumKnobs; ++k)
-    ZB_CHECK(set.bits[k] != 0 && set.bits[k] >> grid.size(static_cast<Knob>(k)) == 0,
+    ZB_CHECK(set.bits[k] != 0 && static_cast<uint64_t>(set.bits[k]) >> grid.size(static_cast<Knob>(k)) == 0,
              "policy set out of the grid");
   run_ = std::make_unique<ListScheduler>(
       std::make_shared<const ListTables>(shell, costs, memory, cap, grid), set);
@@ -737,7 +719,7 @@ ListRun& ListRun::operator=(ListRun&&) noexcept = default;
 ListRun::~ListRun() = default;
 
 ListRunResult ListRun::play(const RunBound& bound, std::vector<ListRun>& forks) {
-  return run_->run(bound, &forks);
+  return run_->run(bound, forks);
 }
 
 const PolicySet& ListRun::set() const { return run_->cell(); }
@@ -747,18 +729,6 @@ void ListRun::take_program(Program& into) {
   ZB_CHECK(static_cast<int>(into.ranks.size()) == into.pp, "program has ", into.ranks.size(),
            " rank lists for pp=", into.pp);
   into.ranks = std::move(run_->order());
-}
-
-void list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
-                   const std::vector<double>& cap, const std::vector<int>& warmup,
-                   const ListPolicy& policy) {
-  const PolicyGrid grid{{warmup},
-                        {policy.order},
-                        {policy.fill_ratio},
-                        {policy.avoid_delaying_backward},
-                        {policy.recycle_first},
-                        {policy.deep_first}};
-  run_list_schedule(p, costs, memory, cap, grid, PolicyIndex{});
 }
 
 }  // namespace zbpipe::detail

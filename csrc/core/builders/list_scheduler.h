@@ -35,7 +35,8 @@ struct ListPolicy {
   bool deep_first = true;
 };
 
-// The knobs a search enumerates; the warm-up vector (see list_schedule) is one of them.
+// The knobs a search enumerates; the warm-up vector (the warm-up depth per rank, see the
+// memory note below) is one of them.
 enum Knob : int { kWarmup, kOrder, kFill, kAvoid, kRecycle, kDeep, kNumKnobs };
 
 // The values each knob takes in a search, in the order candidates are tried.
@@ -90,12 +91,6 @@ struct RunBound {
   double other_bar = std::numeric_limits<double>::infinity();
 };
 
-// Plays grid point `at` to the end into `p` (compute-only, I/W split; `p` comes with its
-// topology and its rank lists are replaced).
-ListRunResult run_list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
-                                const std::vector<double>& cap, const PolicyGrid& grid,
-                                const PolicyIndex& at);
-
 namespace list_run {
 class ListScheduler;
 }
@@ -127,11 +122,6 @@ class ListRun {
   std::unique_ptr<list_run::ListScheduler> run_;
 };
 
-// One policy, one warm-up vector, no bound (a grid of one point).
-void list_schedule(Program& p, const CostModel& costs, const MemoryModel& memory,
-                   const std::vector<double>& cap, const std::vector<int>& warmup,
-                   const ListPolicy& policy);
-
 // A fixed schedule's compute-only program offered to the search, and how much it binds it: a
 // reference is one the pick must match, the primary one (a reference; of several seeds marked
 // primary, the last that fits the cap) one it must match even when no candidate matches all.
@@ -145,7 +135,7 @@ struct Seed {
   ListRunResult timing{};
 };
 
-// Runs list_schedule for every point of the grid, scores each candidate with the simulator's
+// Plays every point of the grid (ListRun), scores each candidate with the simulator's
 // numbers and returns the best. Seeds that fit the cap (on the same topology) are candidates
 // too. The pick matches or beats, on both makespan and longest span (bubble rate is monotone in
 // it; under Objective::kSpan on the span alone), every fitting reference if some candidate
