@@ -229,23 +229,15 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   // best pool-0 objective found so far (or its other metric, once that objective is at the
   // floor), which is never below the final pick's, and equal keys go to the lowest grid point,
   // each run's being its set's first. A stale bar (relaxed loads) costs only a later stop.
-  // Exhaustive: every grid point is a run of its own, played to the end.
+  // Exhaustive: every grid point is a run of its own, played to the end, made when taken.
   const int workers = exhaustive ? 1 : std::min(search_thread_count(mode.threads), points);
   std::mutex mu;
   std::condition_variable wake;
   std::vector<ListRun> stack;
   int playing = 0;  // runs taken off the stack whose forks are not on it yet
   bool failed = false;
-  if (exhaustive) {
-    for (int n = points - 1; n >= 0; --n) {
-      const PolicyIndex at = grid_point(grid, n);
-      PolicySet one;
-      for (int k = 0; k < kNumKnobs; ++k) one.bits[k] = 1u << at[k];
-      stack.emplace_back(shell, costs, memory, cap, grid, one);
-    }
-  } else {
-    stack.emplace_back(shell, costs, memory, cap, grid, PolicySet::all(grid));
-  }
+  int unmade = exhaustive ? 0 : points;  // exhaustive: the next grid point not yet a run
+  if (!exhaustive) stack.emplace_back(shell, costs, memory, cap, grid, PolicySet::all(grid));
   // The lowest bounds any worker has reached.
   std::atomic<double> bar{picker.bound()}, other_bar{picker.other_bound(mode.floor)};
   std::vector<Picker> picks(workers, Picker(refs, primary, mode.objective));
@@ -262,10 +254,17 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
       {
         std::unique_lock<std::mutex> lock(mu);
         // Ends: the stack is empty and no run still playing can fork onto it.
-        wake.wait(lock, [&] { return failed || !stack.empty() || playing == 0; });
-        if (failed || stack.empty()) return;
-        run.emplace(std::move(stack.back()));
-        stack.pop_back();
+        wake.wait(lock, [&] { return failed || !stack.empty() || unmade < points || playing == 0; });
+        if (failed || (stack.empty() && unmade == points)) return;
+        if (stack.empty()) {
+          const PolicyIndex at = grid_point(grid, unmade++);
+          PolicySet one;
+          for (int k = 0; k < kNumKnobs; ++k) one.bits[k] = 1u << at[k];
+          run.emplace(shell, costs, memory, cap, grid, one);
+        } else {
+          run.emplace(std::move(stack.back()));
+          stack.pop_back();
+        }
         ++playing;
       }
       const int n = grid_number(grid, run->policy());
