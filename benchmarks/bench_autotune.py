@@ -40,7 +40,6 @@ The machine these numbers come from is shared: compare within one run.
 from __future__ import annotations
 
 import argparse
-import re
 import statistics
 import sys
 import time
@@ -52,11 +51,10 @@ from torch import nn
 
 import zbpipe
 from zbpipe.schedule_auto import FAMILIES
-from zbpipe.stage_costs import compile_costs, profile_from_trace
+from zbpipe.stage_costs import _COMPUTE, _took_s, compile_costs, profile_from_trace
 from zbpipe.train.launcher import run_local
 
 PP, M, ROWS, D, VOCAB = 2, 8, 64, 256, 3072
-_COMPUTE = re.compile(r"^\d+[FBIW]\d+$")  # a trace record of one compute action
 
 
 def _stage_module(head: bool) -> nn.Module:
@@ -106,7 +104,7 @@ def _breakdown(records: list[dict], start_ns: int, end_ns: int) -> dict:
     host = [r for r in records if not r.get("worker")]
     computes = [r for r in host if _COMPUTE.match(r["action"])]
     sends = [r for r in host if "SEND" in r["action"]]
-    took = lambda r: (r["host_end_ns"] - r["host_start_ns"] - r["wait_ns"]) / 1e9  # noqa: E731
+    took = lambda r: _took_s(r, "host")  # noqa: E731  host time less the receive wait
     out = dict(wall=(end_ns - start_ns) / 1e9, compute=sum(map(took, computes)), n_compute=len(computes),
                waits=sum(r["wait_ns"] for r in host) / 1e9, sends=sum(map(took, sends)),
                n_sends=sum("SEND" in a for r in sends for a in r["action"].split("+")))

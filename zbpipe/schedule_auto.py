@@ -1,11 +1,12 @@
 """ScheduleAuto: measure, plan, switch. A tuning runs the placement's safe default (a split
-schedule at 1F1B's memory: zb_h1, zbv or interleaved_zb) for two real steps: the first measures
-mem_f/mem_w per local stage (its memory probe), the second the F/I/W times (its trace: device
-events on accelerators, host times on the CPU), then the P2P latency of a boundary-sized
-message. The ranks gather the measurements over the pipeline group, so every rank simulates
-every candidate of the placement from identical inputs and picks the same one: the least
-simulated makespan among those whose simulated peak memory fits the budget. It runs from the
-third step on. `sched.tuning` says what happened.
+schedule at 1F1B's memory: zb_h1, zbv or interleaved_zb) for 1 + timing_steps real steps (two
+by default): the first measures mem_f/mem_w per local stage (its memory probe), the others the
+F/I/W times (their traces: device events on accelerators, host times on the CPU), then the P2P
+latency of a boundary-sized message. The ranks gather the measurements over the pipeline group,
+so every rank simulates every candidate of the placement from identical inputs and picks the
+same one: the least simulated makespan among those whose simulated peak memory fits the budget
+(with trial_steps, the fastest in real steps of those predicted near the least). It runs from
+the step after. `sched.tuning` says what happened.
 """
 
 from __future__ import annotations
@@ -474,16 +475,17 @@ class ScheduleAuto:
                              timing_steps=self._timing_steps, planned=best.name)
         self._after = []
         self.history.append(self.tuning)
+        texts = {name: prog.to_csv_text() for name, prog in programs.items()}
+        running = self._current.program.to_csv_text()
+
         def keep(name: str) -> PipelineSchedule:  # the running schedule (and executor) for its own program
-            same = programs[name].to_csv_text() == self._current.program.to_csv_text()
-            return self._current if same else self._schedule_for(name, programs[name])
+            return self._current if texts[name] == running else self._schedule_for(name, programs[name])
 
         near, seen = [], set()  # candidates building the same program are tried once, as the first
         for c in fitting:
-            text = programs[c.name].to_csv_text()
-            if c.predicted_s <= least * (1 + self._trial_margin) and text not in seen:
+            if c.predicted_s <= least * (1 + self._trial_margin) and texts[c.name] not in seen:
                 near.append(c.name)
-                seen.add(text)
+                seen.add(texts[c.name])
         if self._trial_steps == 0 or len(near) < 2:
             self._current = keep(best.name)
             return
