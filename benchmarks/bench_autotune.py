@@ -50,6 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zbpipe
+from zbpipe import schedule_auto
 from zbpipe.schedule_auto import FAMILIES
 from zbpipe.stage_costs import _COMPUTE, _took_s, compile_costs, profile_from_trace
 from zbpipe.train.launcher import run_local
@@ -148,6 +149,8 @@ def _print_breakdown(every: list[dict], tuning, safe: str, safe_program, safe_st
 
 def _bench(rank: int, world: int, a: dict) -> None:
     torch.set_num_threads(1)
+    if a["no_fused_timing"]:  # an A/B of the fused-B timing steps: every timing step runs the safe default
+        schedule_auto.FUSED.clear()
     g = torch.Generator().manual_seed(1)
     x = torch.randn(M * ROWS, D, generator=g)
     y = torch.randint(0, VOCAB, (M * ROWS,), generator=g)
@@ -219,10 +222,15 @@ def _bench(rank: int, world: int, a: dict) -> None:
                     fresh[k].append(_timed(s, x, y, first, last, mods))
             if rank == 0:
                 med2 = {k: statistics.median(v) for k, v in fresh.items()}
+                # A pick running auto's very program makes its ratio an A/A comparison: how far
+                # one program measures from itself here, the noise floor of the others.
+                mine_text = auto.program.to_csv_text()
+                same = [k for k in dict.fromkeys(picked) if runs[k].program.to_csv_text() == mine_text]
                 print(f"confirmation, {a['confirm']} fresh steps each, alternating: auto / best fixed "
                       f"({picked[0]}): {med2['auto'] / med2[picked[0]]:.3f}; auto / best fixed within the "
                       f"budget ({picked[1]}): {med2['auto'] / med2[picked[1]]:.3f}; predicted / measured: "
-                      f"{auto.tuning.predicted_s / med2['auto']:.3f}", flush=True)
+                      f"{auto.tuning.predicted_s / med2['auto']:.3f}"
+                      f"{f'; A/A (auto runs the same program as {same})' if same else ''}", flush=True)
         # A budget below the safe default's peak (1F1B's memory, split: zb_h1 or zbv).
         ref = [safe.peak_bytes if safe else None]
         dist.broadcast_object_list(ref, src=0)
@@ -251,8 +259,10 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--budget-fraction", type=float, default=0.95)
-    p.add_argument("--timing-steps", type=int, default=1, help="ScheduleAuto's timing_steps")
+    p.add_argument("--timing-steps", type=int, default=3, help="ScheduleAuto's timing_steps (its default: 3)")
     p.add_argument("--trial-steps", type=int, default=0, help="ScheduleAuto's trial_steps")
+    p.add_argument("--no-fused-timing", action="store_true",
+                   help="every timing step runs the safe default (no 1f1b step to time B): an A/B")
     p.add_argument("--confirm", type=int, default=0,
                    help="fresh steps of auto and the two best fixed picks, alternating, to measure them unbiased")
     p.add_argument("--breakdown", action="store_true", help="per candidate and rank: where the step's time went")
@@ -260,7 +270,8 @@ def main(argv=None) -> int:
     a = vars(ns) | {"placements": ns.placements.split(",")}
     print(f"# bench_autotune: pp={PP}, {M} microbatches of {ROWS} rows, d={D}, vocab={VOCAB}, torch "
           f"{torch.__version__}, Gloo, 1 thread per rank; {ns.warmup} warm-up, {ns.reps} timed steps; "
-          f"ScheduleAuto timing_steps={ns.timing_steps}, trial_steps={ns.trial_steps}", flush=True)
+          f"ScheduleAuto timing_steps={ns.timing_steps}, trial_steps={ns.trial_steps}"
+          f"{', no fused-B timing steps' if ns.no_fused_timing else ''}", flush=True)
     run_local(_bench, PP, (a,), timeout_s=1800, pg_timeout_s=300, threads=1)
     return 0
 

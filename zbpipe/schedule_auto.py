@@ -1,8 +1,10 @@
-"""ScheduleAuto: measure, plan, switch. A tuning runs the placement's safe default (a split
-schedule at 1F1B's memory: zb_h1, zbv or interleaved_zb) for 1 + timing_steps real steps (two
-by default): the first measures mem_f/mem_w per local stage (its memory probe), the others the
-F/I/W times (their traces: device events on accelerators, host times on the CPU), then the P2P
-latency of a boundary-sized message. The ranks gather the measurements over the pipeline group,
+"""ScheduleAuto: measure, plan, switch. A tuning runs 1 + timing_steps real steps (four by
+default) of the placement's safe default (a split schedule at 1F1B's memory: zb_h1, zbv or
+interleaved_zb): the first measures mem_f/mem_w per local stage (its memory probe), the others
+the F/I/W times (their traces: device events on accelerators, host times on the CPU), every
+second of them running the placement's fused-B schedule instead where it has one at no more
+memory (1f1b for one stage per rank) to time B; then the P2P latency of a boundary-sized
+message. The ranks gather the measurements over the pipeline group,
 so every rank simulates every candidate of the placement from identical inputs and picks the
 same one: the least simulated makespan among those whose simulated peak memory fits the budget
 (with trial_steps, the fastest in real steps of those predicted near the least). It runs from
@@ -31,6 +33,12 @@ FAMILIES = {
     "v": ("zbv", ("zbv", "v_half", "v_min", "dualpipev")),
     "looped": ("interleaved_zb", ("interleaved_zb", "interleaved_1f1b", "looped_bfs")),
 }
+# placement -> its fused-B schedule holding no more than the safe default on any rank (1F1B:
+# the same in-flight microbatches, no W pending): every second timing step runs it, so a fused
+# B is priced as measured, not assumed to cost the I + W a split step measures (one backward
+# call against two, each with its own dispatch). interleaved_1f1b holds more than
+# interleaved_zb, and dualpipev more than zbv: none there.
+FUSED = {"one": "1f1b"}
 _COST_DRIVEN = ("zb_auto", "v_half", "v_min")
 _MEASURED_STEPS = 5  # steps after a switch whose median is Tuning.measured_step_s
 
@@ -99,11 +107,12 @@ class Tuning:
     choice: str
     predicted_s: float
     measured_step_s: float | None = None  # median wall time of the first steps after the switch, this rank
-    overhead_s: float = 0.0  # the timing steps' median wall time (slowest rank) less their simulated makespan
+    overhead_s: float = 0.0  # median over the timing steps: wall time (slowest rank) less the simulated makespan
     clock: str = "host"  # where the costs were timed: "device" (events) or "host"
     unseen_memory: list = dataclasses.field(default_factory=list)  # stages whose saved bytes were not seen
     model: dict = dataclasses.field(default_factory=dict)  # simulate()'s keywords every candidate ran under
-    timing_steps: int = 1  # steps whose action times (pooled) and wall times (median) it planned from
+    timing_steps: int = 3  # steps whose action times (pooled) and wall times it planned from
+    timed: list[str] = dataclasses.field(default_factory=list)  # the schedule each timing step ran
     trial: list[str] = dataclasses.field(default_factory=list)  # candidates tried in real steps (trial_steps)
     planned: str = ""  # the choice by prediction alone (the trial's first candidate)
 
@@ -114,14 +123,15 @@ class Tuning:
         return _judge(program.schedule, program, self.model, self.overhead_s, self.budget)
 
     def table(self) -> str:
+        ran = f" ({', '.join(self.timed)})" if self.timed else ""
         lines = [f"ScheduleAuto tuning at step {self.step} ({self.clock} times) over {self.timing_steps} timing "
-                 f"step{'s' if self.timing_steps > 1 else ''}: comm {self.comm_s * 1e6:.1f} us, "
+                 f"step{'s' if self.timing_steps > 1 else ''}{ran}: comm {self.comm_s * 1e6:.1f} us, "
                  f"budget {max(self.budget):.0f} bytes/rank, unmodelled {self.overhead_s * 1e3:.3f} ms/step"]
-        lines.append(f"{'stage':>5} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'mem_f B':>10} {'mem_w B':>10}")
+        lines.append(f"{'stage':>5} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'B ms':>8} {'mem_f B':>10} {'mem_w B':>10}")
         for s in sorted(self.costs):
             c, d = self.costs[s], self.deltas.get(s, {})
             fmt = lambda v: f"{v * 1e3:8.3f}" if v is not None else f"{'-':>8}"  # noqa: E731
-            lines.append(f"{s:>5} {fmt(c['f'])} {fmt(c['i'])} {fmt(c['w'])} "
+            lines.append(f"{s:>5} {fmt(c['f'])} {fmt(c['i'])} {fmt(c['w'])} {fmt(c.get('b'))} "
                          f"{d.get('mem_f', 0):>10.0f} {d.get('mem_w', 0):>10.0f}")
         lines.append(f"{'candidate':<17} {'predicted ms':>12} {'peak B':>10} fits")
         for c in self.candidates:
@@ -156,10 +166,12 @@ class ScheduleAuto:
         retune_every: tune again every N steps, N >= 1 + timing_steps (None: once, over the
             first 1 + timing_steps steps). A re-tune's steps run the current program when it
             splits I and W on every stage, else the safe default.
-        timing_steps: steps that time the actions after the one that measures memory (>= 1).
-            Their action times are pooled (the median per stage and kind over every microbatch
-            of every one of them) and their wall times taken at the median, so one step
-            slowed by other load on the host plans less of the choice.
+        timing_steps: steps that time the actions after the one that measures memory (>= 1,
+            default 3). Their action times are pooled (the median per stage and kind over every
+            microbatch of every one of them), so one step slowed by other load on the host plans
+            less of the choice. Every second one (the 2nd, 4th, ...) runs the placement's fused-B
+            schedule (FUSED: 1f1b for one stage per rank) where it has one, so a fused B is
+            priced as measured rather than as the I + W measured apart.
         trial_steps: with K >= 1, the fitting candidates predicted within trial_margin of the
             least (the model's resolution: the same actions run a few percent faster under some
             schedules, which costs measured under one cannot show) are tried in real training
@@ -173,12 +185,12 @@ class ScheduleAuto:
     Raises zbpipe.ScheduleError for stages matching no placement family, for a budget below
     every candidate's need (naming the smallest need in bytes), when the ranks' measurements
     disagree (stage counts, microbatches, or a stage measured twice or never), and, before the
-    step runs, when a tuning's second step brings other shapes than its first.
+    step runs, when a timing step brings other shapes than the tuning's first.
     """
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None, *,
                  activation_budget: float | None = None, retune_every: int | None = None,
-                 timing_steps: int = 1, trial_steps: int = 0, trial_margin: float = 0.05, **kwargs):
+                 timing_steps: int = 3, trial_steps: int = 0, trial_margin: float = 0.05, **kwargs):
         if loss_fn is None:
             raise ValueError("ScheduleAuto tunes a training step: give a loss_fn")
         if timing_steps < 1:
@@ -206,7 +218,7 @@ class ScheduleAuto:
         self._schedules: dict[str, PipelineSchedule] = {}
         self._current = self._schedule_for(self._safe, _compile(self._safe, self._pp, n_microbatches, self._spr))
         self._steps = 0
-        self._pending: dict | None = None  # a tuning between its memory step and its timing step
+        self._pending: dict | None = None  # a tuning between its memory step and its last timing step
         self._refused = False  # a shape change ended a tuning early: the next step tunes afresh
         self._after: list[float] = []      # step times after the last switch (measured_step_s)
         self.tuning: Tuning | None = None
@@ -230,9 +242,9 @@ class ScheduleAuto:
 
     def step(self, *args, **kwargs):
         """One training step (zbpipe.PipelineSchedule.step's semantics). A tuning spans 1 +
-        timing_steps steps of the measuring schedule: the first measures the memory deltas (the
-        probe's pack hooks slow it, and a first step also warms up), the others the times; the
-        ranks then gather, plan and switch for the step after."""
+        timing_steps steps: the first measures the memory deltas (the probe's pack hooks slow
+        it, and a first step also warms up), the others the times; the ranks then gather, plan
+        and switch for the step after."""
         self._steps += 1
         if self._trial is not None:  # a tuning's trial first (a re-tune falling inside it is skipped)
             return self._trial_step(args, kwargs)
@@ -260,9 +272,22 @@ class ScheduleAuto:
             out = measuring.step(*args, **kwargs)
         finally:
             measuring.measure_memory = False
-        self._pending = dict(measuring=measuring, deltas=measuring.memory_profile(), shapes=shapes,
-                             records=[], walls=[])
+        self._pending = dict(measuring=measuring, fused=self._fused_for(measuring), deltas=measuring.memory_profile(),
+                             shapes=shapes, records=[], walls=[], ran=[])
+        self._current = measuring  # the next step's (program, choice and trace() report it)
         return out
+
+    def _fused_for(self, measuring: PipelineSchedule) -> PipelineSchedule | None:
+        """The schedule every second timing step runs to measure B (FUSED), or None: none in this
+        placement, or a re-tune measuring on a program other than the safe default (under a budget
+        below the safe default's peak) whose last tuning found the fused one over the budget."""
+        name = FUSED.get(self.placement)
+        if name is None or self._timing_steps < 2:
+            return None
+        fused = self._schedule_for(name, _compile(name, self._pp, self._n, self._spr))
+        if measuring is self._schedules[self._safe] or self.tuning is None or self.tuning.predict(fused.program).fits:
+            return fused
+        return None
 
     def _check_shapes(self, shapes: list, first: int, args, kwargs) -> None:
         """ScheduleError on every rank, before the step runs, when its shapes differ from those
@@ -283,14 +308,20 @@ class ScheduleAuto:
     def _timing_step(self, args, kwargs):
         pending = self._pending
         self._check_shapes(pending["shapes"], self._steps - 1 - len(pending["walls"]), args, kwargs)
+        runs = self._current
         start = time.perf_counter()
-        out = pending["measuring"].step(*args, **kwargs)
+        out = runs.step(*args, **kwargs)
         pending["walls"].append(time.perf_counter() - start)
-        pending["records"] += pending["measuring"].trace()
+        pending["records"] += runs.trace()
+        pending["ran"].append(runs.program)
+        # The split schedule first, then every second step the fused one (where there is one).
+        odd = len(pending["walls"]) % 2 == 1
+        self._current = pending["fused"] if odd and pending["fused"] is not None else pending["measuring"]
         if len(pending["walls"]) == self._timing_steps:
+            self._current = runs  # the one that ran last: a choice of its program keeps it
             self._pending = None
-            self._tune(pending["measuring"], pending["deltas"], pending["records"],
-                       statistics.median(pending["walls"]), pending["shapes"])
+            self._tune(pending["measuring"], pending["deltas"], pending["records"], pending["walls"],
+                       pending["ran"], pending["shapes"])
         return out
 
     def _trial_step(self, args, kwargs):
@@ -352,10 +383,10 @@ class ScheduleAuto:
         kinds = {a.kind for a in program.action_values(self._rank) if a.is_compute}
         return _C.Kind.B not in kinds and _C.Kind.I in kinds
 
-    def _measurements(self, measuring: PipelineSchedule, deltas: dict, records: list, step_s: float) -> dict:
+    def _measurements(self, measuring: PipelineSchedule, deltas: dict, records: list, walls: list[float]) -> dict:
         costs = profile_from_trace(records, clock=self._clock)
         return dict(rank=self._rank, num_stages=self._num_stages, microbatches=self._n, costs=costs,
-                    deltas=deltas, comm_s=self._p2p_latency(measuring), step_s=step_s)
+                    deltas=deltas, comm_s=self._p2p_latency(measuring), walls=list(walls))
 
     def _p2p_latency(self, measuring: PipelineSchedule) -> float:
         """One hop of a boundary-sized message: rank 0 passes a token around the ring (each rank
@@ -393,8 +424,9 @@ class ScheduleAuto:
         dist.all_gather_object(every, mine, group=self._group)
         return every
 
-    def _merge(self, every: list[dict]) -> tuple[dict, dict, float, float]:
-        """The pipeline's costs and deltas per stage; ScheduleError where ranks disagree."""
+    def _merge(self, every: list[dict]) -> tuple[dict, dict, float, list[float]]:
+        """The pipeline's costs and deltas per stage, the P2P latency, each timing step's wall time
+        at its slowest rank; ScheduleError where ranks disagree."""
         costs, deltas = {}, {}
         for m in every:
             if m["num_stages"] != self._num_stages or m["microbatches"] != self._n:
@@ -410,7 +442,7 @@ class ScheduleAuto:
         if sorted(costs) != list(range(self._num_stages)):
             raise _C.ScheduleError(
                 f"ScheduleAuto: the ranks measured stages {sorted(costs)}, want 0..{self._num_stages - 1}")
-        return costs, deltas, max(m["comm_s"] for m in every), max(m["step_s"] for m in every)
+        return costs, deltas, max(m["comm_s"] for m in every), [max(w) for w in zip(*(m["walls"] for m in every))]
 
     def _under_budget(self, name: str, opts: dict, budget: list[float]) -> _C.Program:
         """A cost-driven candidate (zb_auto, v_half, v_min) planned under the budget. Their cap
@@ -421,15 +453,15 @@ class ScheduleAuto:
         cap = max(budget)
         rank_of = self._schedules[self._safe].program.stage_to_rank  # the placement's, as every candidate's
         scale = [cap / budget[rank_of[s]] if budget[rank_of[s]] > 0 else 1.0 for s in range(self._num_stages)]
-        scaled = dict(opts)
+        scaled = {k: v for k, v in opts.items() if k != "b_full"}  # no schedule plans with a fused B
         scaled["mem_f"] = [m * scale[s] for s, m in enumerate(opts["mem_f"])]
         scaled["mem_w"] = [m * scale[s] for s, m in enumerate(opts["mem_w"])]
         return _compile(name, self._pp, self._n, self._spr, **scaled, memory_cap=cap)
 
-    def _tune(self, measuring: PipelineSchedule, deltas: dict, records: list, step_s: float,
-              shapes: list) -> None:
-        mine = self._measurements(measuring, deltas, records, step_s)
-        costs, deltas, comm, step_s = self._merge(self._gather(mine))
+    def _tune(self, measuring: PipelineSchedule, deltas: dict, records: list, walls: list[float],
+              ran: list[_C.Program], shapes: list) -> None:
+        mine = self._measurements(measuring, deltas, records, walls)
+        costs, deltas, comm, walls = self._merge(self._gather(mine))
         model = compile_costs({s: {**costs[s], **deltas[s]} for s in costs}, self._num_stages)
         # A stage whose saved tensors the probe cannot see (packed by hooks inside its module,
         # memory_probe.py) measures 0 bytes: it plans as 1 byte, and the table says so.
@@ -437,14 +469,16 @@ class ScheduleAuto:
         model["mem_f"] = [max(v, 1.0) for v in model["mem_f"]]
         model["mem_w"] = [min(w, f) for w, f in zip(model["mem_w"], model["mem_f"])]
         sim = dict(f=model["f"], b=model["b"], w=model["w"], comm=comm, mem_f=model["mem_f"], mem_w=model["mem_w"])
+        if all(costs[s].get("b") is not None for s in costs):  # a fused step ran: B as measured, not I + W
+            sim["b_full"] = [costs[s]["b"] for s in range(self._num_stages)]
         safe_peak = list(simulate(self._schedules[self._safe].program, **sim).peak_memory)
         # What the simulator does not model (posting sends, the step's start and end): the
-        # timing steps' median wall time less their simulation, one number per step for every
-        # candidate.
+        # median over the timing steps of the wall time (slowest rank) less the simulation of
+        # the program that ran, one number per step for every candidate.
         # Not per action: dispatch is inside the measured action times, and the time outside
         # them does not grow with their count; not per message: every candidate of a placement
         # posts the same ones (docs/autotune.md, "What the prediction misses").
-        overhead = step_s - simulate(measuring.program, **sim).makespan
+        overhead = statistics.median(w - simulate(p, **sim).makespan for w, p in zip(walls, ran))
         budget = safe_peak if self._budget is None else [float(self._budget)] * self._pp
         candidates, programs = [], {}
         for name in self._names:
@@ -472,7 +506,7 @@ class ScheduleAuto:
         best = next(c for c in fitting if c.predicted_s <= least * (1 + 1e-9))
         self.tuning = Tuning(self._steps, costs, deltas, comm, budget, candidates, best.name, best.predicted_s,
                              overhead_s=overhead, clock=self._clock, unseen_memory=unseen, model=sim,
-                             timing_steps=self._timing_steps, planned=best.name)
+                             timing_steps=self._timing_steps, timed=[p.schedule for p in ran], planned=best.name)
         self._after = []
         self.history.append(self.tuning)
         texts = {name: prog.to_csv_text() for name, prog in programs.items()}

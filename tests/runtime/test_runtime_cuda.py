@@ -73,14 +73,14 @@ def test_schedule_auto_times_on_device_events_on_one_gpu(one_rank_group):
     mods = [copy.deepcopy(r).to(dev) for r in ref]
     stages = [zbpipe.PipelineStage(mod, s, 2, dev) for s, mod in enumerate(mods)]
     sched = zbpipe.ScheduleAuto(stages, m, loss_fn=F.mse_loss)
-    for k in range(4):
+    for k in range(6):  # memory (step 1), three timing steps, then the choice
         x, y = data("block", 2 * m, seed=k + 1)
         F.mse_loss(call_chain(ref, x), y).backward()
         sched.step(x.to(dev), target=y.to(dev))
     torch.cuda.synchronize()
     assert_grads_close(mods, ref)
     t = sched.tuning
-    assert t.clock == "device" and "(device times) over 1 timing step" in t.table(), t.table()
+    assert t.clock == "device" and "(device times) over 3 timing steps" in t.table() and t.step == 4, t.table()
     assert all(c[k] > 0 for c in t.costs.values() for k in "fiw"), t.costs
     records = [r for r in sched.trace() if re.fullmatch(r"\d+[FIW]\d+", r["action"])]
     assert records and all(r["device_end_us"] >= r["device_start_us"] >= 0.0 for r in records), records

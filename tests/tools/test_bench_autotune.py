@@ -41,8 +41,16 @@ def test_bench_autotune_measures_every_candidate_and_fits_the_budget():
     assert re.search(r"auto / best fixed \(\w+\): [\d.]+ .* predicted / measured \(median\): [\d.]+", out), out
     assert "<- chosen" in out, out
     # --confirm: fresh alternating steps of auto and the two picks, ratios from those.
-    assert re.search(r"^confirmation, 1 fresh steps each, alternating: auto / best fixed \((zb_h1|1f1b|zb_h2|zb_auto)\): "
-                     r"[\d.]+; auto / best fixed within the budget \(\w+\): [\d.]+; predicted / measured: [\d.]+$",
-                     out, re.M), out
+    c = re.search(r"^confirmation, 1 fresh steps each, alternating: auto / best fixed \((zb_h1|1f1b|zb_h2|zb_auto)\): "
+                  r"[\d.]+; auto / best fixed within the budget \((\w+)\): [\d.]+; predicted / measured: [\d.]+"
+                  r"(?:; A/A \(auto runs the same program as \[(.*)\]\))?$", out, re.M)
+    assert c, out
+    # A pick of auto's own program (not zb_auto: the fixed one is compiled at unit costs) is named
+    # as an A/A comparison, and only such a pick.
+    choice = re.search(r"^\| auto \((\w+)\) ", out, re.M).group(1)
+    same = re.findall(r"'(\w+)'", c.group(3) or "")
+    assert set(same) <= {c.group(1), c.group(2)} and all(n == choice or n == "zb_auto" for n in same), (same, out)
+    if choice in (c.group(1), c.group(2)) and choice != "zb_auto":
+        assert choice in same, out
     m = re.search(r"budget \d+ B/rank \(0.95 of \d+, zb_h1's peak\): auto picks (\w+), peak \d+ B \(fits: (\w+)\)", out)
     assert m and m.group(1) != "zb_h1" and m.group(2) == "True", out

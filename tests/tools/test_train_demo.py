@@ -46,7 +46,7 @@ def _run_demo(*args: str) -> subprocess.CompletedProcess:
         ("--lib", "zbpipe", "--schedule", "1f1b"),  # one stage per rank, full backward
         ("--lib", "zbpipe", "--schedule", "zb_auto"),  # cost-driven, at unit costs
         ("--lib", "zbpipe", "--schedule", "v_min"),  # controllable-memory V
-        ("--lib", "zbpipe", "--schedule", "auto"),  # ScheduleAuto: measures, plans, switches
+        ("--lib", "zbpipe", "--schedule", "auto", "--steps", "5"),  # ScheduleAuto: measures (4 steps), switches
         ("--lib", "zbpipe", "--schedule", "zb_h1", "--dp", "2"),  # 2 replicas of pp 2, DDP stages, split I/W
         ("--lib", "torch", "--schedule", "zbv"),  # the harness itself, against PyTorch's runtime
     ],
@@ -57,14 +57,15 @@ def test_pipelined_loss_matches_single_process(args, tmp_path):
     proc = _run_demo(*args, *(("--trace", str(tmp_path / "t")) if zb else ()))
     out = proc.stdout
     assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{out}\nstderr:\n{proc.stderr[-4000:]}"
+    n = int(args[args.index("--steps") + 1]) if "--steps" in args else 3
     progress = PROGRESS.findall(out)
-    assert [int(s) for s, *_ in progress] == [1, 2, 3], out
-    assert all(int(total) == 3 and int(tps) > 0 for _, total, _, tps in progress), out
+    assert [int(s) for s, *_ in progress] == list(range(1, n + 1)), out
+    assert all(int(total) == n and int(tps) > 0 for _, total, _, tps in progress), out
     m = FINAL.search(out)
     assert m, f"no final comparison line in:\n{out}"
     piped, single, diff, steps, worst, verdict = m.groups()
     piped, single = float(piped), float(single)
-    assert int(steps) == 3 and verdict == "MATCH"
+    assert int(steps) == n and verdict == "MATCH"
     losses = [float(l) for _, _, l, _ in progress]
     assert losses[-1] < losses[0], f"loss did not fall: {losses}"
     # The loss the pipeline reported at its last progress line is the one compared.
@@ -72,7 +73,7 @@ def test_pipelined_loss_matches_single_process(args, tmp_path):
     # Same math, only reassociated: equal to float tolerance (and the untrained loss is ~ln 16).
     assert abs(piped - single) <= 1e-5 * max(1.0, abs(single)), (piped, single)
     assert float(worst) <= 1e-5 and 1.0 < single < 3.5
-    _check_rates(out, world=2 * (2 if "--dp" in args else 1), zb=zb)
+    _check_rates(out, world=2 * (2 if "--dp" in args else 1), zb=zb, steps=n)
     if args[3] == "auto":
         _check_tuning(out)
     if zb:  # each rank wrote its last step's trace, with the schedule's compute actions in it
@@ -92,7 +93,7 @@ def test_invalid_schedule_size_fails_before_spawning():
     assert "step " not in proc.stdout
 
 
-def _check_rates(out: str, world: int, zb: bool) -> None:
+def _check_rates(out: str, world: int, zb: bool, steps: int) -> None:
     """The printout's numbers agree with each other and with the model (torchtitan's metrics);
     zbpipe's ranks hold the saved activations its program predicts (torch's runtime holds more
     than zbpipe's program of the same schedule: not bounded here)."""
@@ -104,7 +105,7 @@ def _check_rates(out: str, world: int, zb: bool) -> None:
     m = THROUGHPUT.search(out)
     assert m, f"no throughput line in:\n{out}"
     tps_dev, devices, ms, timed, flops, n, mfu, peak_tflops, source = m.groups()
-    assert int(devices) == world and int(timed) == 2  # steps 2 and 3: the first is set-up
+    assert int(devices) == world and int(timed) == steps - 1  # the first step sets up: not timed
     assert abs(int(tps_dev) * world * float(ms) / 1e3 - BATCH * SEQ) <= 0.01 * BATCH * SEQ, m.group(0)
     # N: every parameter; 6 N counts the matmul ones (not the token and position embeddings).
     block = 4 * D * D + 4 * D + 2 * (D * 4 * D) + 4 * D + D + 4 * D  # qkv+proj, mlp, 2 layer norms
@@ -124,16 +125,18 @@ def _check_rates(out: str, world: int, zb: bool) -> None:
         assert not zb or 0.5 <= float(measured) / float(predicted) <= 1.02, (rank, measured, predicted)
 
 
-TUNED_STAGE = re.compile(r"^\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\d+)\s+(\d+)$", re.M)
+TUNED_STAGE = re.compile(r"^\s+(\d+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\S+)\s+(\d+)\s+(\d+)$", re.M)  # stage F I W B mem
 
 
 def _check_tuning(out: str) -> None:
-    """`--schedule auto` prints the tuning table once, after the tuning's two steps and before
+    """`--schedule auto` prints the tuning table once, after the tuning's four steps and before
     the step after them, with every stage's measured bytes (the trainer's own saved-activation
     meter chains to the schedule's memory probe instead of hiding the tensors from it)."""
-    assert out.count("ScheduleAuto tuning at step 2") == 1, out
+    assert out.count("ScheduleAuto tuning at step 4") == 1, out
     table = out[out.index("ScheduleAuto tuning"):]
-    assert table.index("choice: ") < table.index("step     3/3"), out
+    assert table.index("choice: ") < table.index("step     5/5"), out
     stages = TUNED_STAGE.findall(table[:table.index("candidate")])
     assert [int(s[0]) for s in stages] == [0, 1], table
     assert all(int(mem_f) > 100_000 and 0 < int(mem_w) <= int(mem_f) for *_, mem_f, mem_w in stages), table
+    # One stage per rank: the third step ran 1f1b, so each stage's fused B was timed.
+    assert "(zb_h1, 1f1b, zb_h1)" in table and all(float(s[4]) > 0 for s in stages), table

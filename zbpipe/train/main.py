@@ -165,7 +165,7 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         for optim in optims:
             optim.step()
         if opts["schedule"] == "auto" and logs and sched.tuning is not None and not tuned:
-            print(sched.tuning.table(), flush=True)  # after the tuning's two steps
+            print(sched.tuning.table(), flush=True)  # after the tuning's steps
             tuned = True
         if not last:
             continue
