@@ -24,12 +24,14 @@ simulated peak fits the budget. `--breakdown` adds, per candidate and rank, wher
 time went (medians over the timed steps, from each step's trace): compute actions (host time
 less receive waits) and their count, receive waits, send records (host time of the records that
 post sends) and the sends' count, and the rest (before the first record, after the last, and
-between records); then, for the safe default, its simulated makespan under the timing step's
+between records); then, for the safe default, its simulated makespan under the timing steps'
 costs against under the timed steps' own medians, and the time that simulation leaves out in
-the timed steps against in the timing step (the tuning's unmodelled time). `--confirm R` then
+the timed steps against in the timing steps (the tuning's unmodelled time). `--confirm R` then
 runs R fresh steps each of ScheduleAuto, the best fixed candidate and the best one within the
 budget, alternating, and prints the ratios from those: the best of several noisy medians is
-biased low (the minimum keeps the luckiest), fresh steps of the picks are not. `--budget-fraction` (default 0.95) then tunes once
+biased low (the minimum keeps the luckiest), fresh steps of the picks are not; a pick that
+runs ScheduleAuto's own program is marked A/A (its ratio is how far one program measures from
+itself: the noise floor of the others). `--budget-fraction` (default 0.95) then tunes once
 more with an activation budget that fraction of the safe default's simulated peak (zb_h1 or
 zbv, 1F1B's memory): a budget that schedule does not fit; ScheduleAuto's choice, which must
 fit, and the candidates that fit are printed (or its error naming the smallest need).
@@ -134,7 +136,7 @@ def _print_breakdown(every: list[dict], tuning, safe: str, safe_program, safe_st
             p = e["parts"][k]
             print(f"| {k} | {r} | {p['wall'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} ({p['n_compute']:.0f}) | "
                   f"{p['waits'] * 1e3:.1f} | {p['sends'] * 1e3:.1f} ({p['n_sends']:.0f}) | {p['rest'] * 1e3:.1f} |")
-    # The timing step against the timed steps, on the safe default: its costs, and the wall
+    # The timing steps against the timed steps, on the safe default: its costs, and the wall
     # time its simulation leaves out (Tuning.overhead_s, measured on that one step).
     costs: dict = {}
     for e in every:
@@ -142,9 +144,9 @@ def _print_breakdown(every: list[dict], tuning, safe: str, safe_program, safe_st
     steady = compile_costs(costs, len(costs))
     steady_s = zbpipe.simulate(safe_program, **dict(tuning.model, f=steady["f"], b=steady["b"], w=steady["w"])).makespan
     timing_s = tuning.predict(safe_program).predicted_s - tuning.overhead_s
-    print(f"\n{safe}: simulated under the timing step's costs {timing_s * 1e3:.1f} ms, under the timed steps' "
+    print(f"\n{safe}: simulated under the timing steps' costs {timing_s * 1e3:.1f} ms, under the timed steps' "
           f"{steady_s * 1e3:.1f} ms ({timing_s / steady_s:.2f}x); measured {safe_step_s * 1e3:.1f} ms: unmodelled "
-          f"{(safe_step_s - steady_s) * 1e3:.1f} ms in the timed steps, {tuning.overhead_s * 1e3:.1f} ms in the timing step")
+          f"{(safe_step_s - steady_s) * 1e3:.1f} ms in the timed steps, {tuning.overhead_s * 1e3:.1f} ms in the timing steps")
 
 
 def _bench(rank: int, world: int, a: dict) -> None:

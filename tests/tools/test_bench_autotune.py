@@ -30,14 +30,14 @@ def test_bench_autotune_measures_every_candidate_and_fits_the_budget():
     assert rows["zb_h1"][3] == "yes" and rows["zb_h2"][3] == "no", rows  # zb_h2 holds more than zb_h1
     assert re.search(r"^\| auto \((zb_h1|1f1b|zb_h2|zb_auto)\) " + row, out, re.M), out
     # --breakdown: per schedule and rank, compute actions and sends counted; the safe default's
-    # timing step against the timed steps.
+    # timing steps against the timed steps.
     parts = re.findall(r"^\| (zb_h1|1f1b|zb_h2|zb_auto|auto) \| ([01]) \| [\d.]+ \| [\d.]+ \((\d+)\) \| [\d.]+ \| "
                        r"[\d.]+ \((\d+)\) \| -?[\d.]+ \|$", out, re.M)
     assert len(parts) == 10, out
     actions = {(name, rank): int(n) for name, rank, n, _ in parts}
     assert actions[("1f1b", "1")] == 16 and actions[("zb_h1", "1")] == 24, actions  # B against I + W
     assert {int(sends) for *_, sends in parts} == {8}, parts  # every candidate: one send per microbatch
-    assert re.search(r"^zb_h1: simulated under the timing step's costs [\d.]+ ms, under the timed steps' [\d.]+ ms", out, re.M), out
+    assert re.search(r"^zb_h1: simulated under the timing steps' costs [\d.]+ ms, under the timed steps' [\d.]+ ms", out, re.M), out
     assert re.search(r"auto / best fixed \(\w+\): [\d.]+ .* predicted / measured \(median\): [\d.]+", out), out
     assert "<- chosen" in out, out
     # --confirm: fresh alternating steps of auto and the two picks, ratios from those.
