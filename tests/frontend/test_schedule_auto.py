@@ -1,9 +1,9 @@
 """ScheduleAuto (zbpipe/schedule_auto.py) at pp=2 over Gloo: gradients exact across the switch
 from the measuring steps (the default: memory, then three timing steps, the second of them
-1f1b's where the stages are one per rank) to the chosen program (steps 1-6 against one process)
-for the three placements, every rank on the same program, the budget deciding the choice, the tuning's
-fields and table, and its errors (a budget nothing fits, a placement of no family, ranks whose
-measurements disagree)."""
+1f1b's where the stages are one per rank) to the chosen program (steps 1-6 against one
+process) for the three placements, every rank on the same program, the budget deciding the
+choice, which schedule the fused timing steps run, the tuning's fields and table, and its
+errors (a budget nothing fits, a placement of no family, ranks whose measurements disagree)."""
 
 from __future__ import annotations
 
@@ -145,7 +145,7 @@ def _fused_rule(rank, pp):
     on another split program (a re-tune's running choice), under a budget 1f1b fits or not."""
     sched, stages, _ = _auto(rank, pp, "one", timing_steps=2)
     _tune(sched, stages)
-    _step(sched, stages, 2)
+    _step(sched, stages, 2)  # the second timing step: the tuning ends
     safe = sched._schedules["zb_h1"]
     other = sched._schedule_for("zb_h2", zbpipe.compile("zb_h2", PP, M))
     name = lambda s: None if s is None else s.program.schedule  # noqa: E731
@@ -235,20 +235,15 @@ def test_plan_from_saved_traces(spawn_world, tmp_path, capsys):
     assert "simulated step:" in out and f"mem_f {profile[1]['mem_f']} B" in out and "bytes" in out, out
 
 
-def _unequal_stages(rank, placement):
+def _unequal_tuning(rank, placement):
     """The last stage saving about 30x a light stage's bytes per microbatch, so the safe
-    default's peak (the budget when none is given) differs per rank."""
+    default's peak (the budget when none is given) differs per rank; the tuning of its two steps."""
     torch.manual_seed(0)
     width = data("mlp", 1)[0].shape[-1]
     layout = LAYOUTS[placement]
     mods = [torch.nn.Sequential(torch.nn.Linear(width, width), torch.nn.Tanh()) for _ in layout[1:]]
     mods.append(torch.nn.Sequential(torch.nn.Linear(width, 512), torch.nn.Tanh(), torch.nn.Linear(512, width)))
-    return [zbpipe.PipelineStage(mods[s], s, len(layout), "cpu") for s, r in enumerate(layout) if r == rank]
-
-
-def _unequal_tuning(rank, placement):
-    """The tuning of _unequal_stages over two steps."""
-    stages = _unequal_stages(rank, placement)
+    stages = [zbpipe.PipelineStage(mods[s], s, len(layout), "cpu") for s, r in enumerate(layout) if r == rank]
     sched = zbpipe.ScheduleAuto(stages, M, loss_fn=F.mse_loss, timeout=60, timing_steps=1)
     _tune(sched, stages)
     return sched.tuning
