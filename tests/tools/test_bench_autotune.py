@@ -38,6 +38,13 @@ def test_bench_autotune_measures_every_candidate_and_fits_the_budget():
     assert actions[("1f1b", "1")] == 16 and actions[("zb_h1", "1")] == 24, actions  # B against I + W
     assert {int(sends) for *_, sends in parts} == {8}, parts  # every candidate: one send per microbatch
     assert re.search(r"^zb_h1: simulated under the timing steps' costs [\d.]+ ms, under the timed steps' [\d.]+ ms", out, re.M), out
+    # The same-time prediction: every schedule, the safe default's 1 by construction (its own
+    # unmodelled time).
+    same = re.search(r"^same-time prediction / measured \(costs and unmodelled time of the timed steps\): (.*)$", out, re.M)
+    assert same, out
+    ratios = dict(kv.split() for kv in same.group(1).split(", "))
+    assert sorted(ratios) == ["1f1b", "auto", "zb_auto", "zb_h1", "zb_h2"] and ratios["zb_h1"] == "1.000", ratios
+    assert all(float(v) > 0 for v in ratios.values()), ratios
     assert re.search(r"auto / best fixed \(\w+\): [\d.]+ .* predicted / measured \(median\): [\d.]+", out), out
     assert "<- chosen" in out, out
     # --confirm: fresh alternating steps of auto and the two picks, ratios from those.
