@@ -150,7 +150,7 @@ def _print_breakdown(every: list[dict], tuning, safe: str, programs: dict, measu
             print(f"| {k} | {r} | {p['wall'] * 1e3:.1f} | {p['compute'] * 1e3:.1f} ({p['n_compute']:.0f}) | "
                   f"{p['waits'] * 1e3:.1f} | {p['sends'] * 1e3:.1f} ({p['n_sends']:.0f}) | {p['rest'] * 1e3:.1f} |")
     # The timing steps against the timed steps, on the safe default: its costs, and the wall
-    # time its simulation leaves out (Tuning.overhead_s, measured on that one step).
+    # time its simulation leaves out (Tuning.overhead_s, measured on those steps).
     costs: dict = {}
     for e in every:
         costs.update(e["costs"])
@@ -166,11 +166,12 @@ def _print_breakdown(every: list[dict], tuning, safe: str, programs: dict, measu
           f"{steady_s * 1e3:.1f} ms ({timing_s / steady_s:.2f}x); measured {safe_step_s * 1e3:.1f} ms: unmodelled "
           f"{(safe_step_s - steady_s) * 1e3:.1f} ms in the timed steps, {tuning.overhead_s * 1e3:.1f} ms in the timing steps")
     # The model without the drift: every schedule predicted from the costs and the unmodelled
-    # time of the timed steps themselves (the same minutes as its measured step), not the tuning's.
+    # time of the timed steps themselves (the steps its measured median comes from), not the tuning's.
     unmodelled = safe_step_s - steady_s
     same = {k: zbpipe.simulate(p, **model).makespan + unmodelled for k, p in programs.items()}
     print("same-time prediction / measured (costs and unmodelled time of the timed steps): " + ", ".join(
         f"{k} {same[k] / measured[k]:.3f}" for k in programs))
+
 
 def _bench(rank: int, world: int, a: dict) -> None:
     torch.set_num_threads(1)
