@@ -16,7 +16,10 @@ import pytest
 from helpers.subprocess_env import NEUTRAL_CWD, child_env
 
 CHILD = textwrap.dedent("""
-    import sys, time
+    import signal, sys, time
+    # A test run started in the background of a shell without job control inherits SIGINT
+    # ignored; a user's terminal does not: Python's own handler, as at an interactive start.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     import zbpipe
     from zbpipe import _C
     SETUP

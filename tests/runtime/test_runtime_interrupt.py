@@ -21,7 +21,10 @@ from helpers.subprocess_env import NEUTRAL_CWD, child_env
 PP = 3
 BOUND_S = 60.0
 WORKER = r'''
-import json, os, sys, time
+import json, os, signal, sys, time
+# A test run started in the background of a shell without job control inherits SIGINT ignored;
+# a user's terminal does not: Python's own handler, as at an interactive start.
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from pathlib import Path
 import torch, torch.distributed as dist, torch.nn as nn, torch.nn.functional as F
 import zbpipe
