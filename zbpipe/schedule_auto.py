@@ -217,6 +217,7 @@ class ScheduleAuto:
         self._safe, self._names = FAMILIES[self.placement]
         self._schedules: dict[str, PipelineSchedule] = {}
         self._current = self._schedule_for(self._safe, _compile(self._safe, self._pp, n_microbatches, self._spr))
+        self._ran = self._current  # the schedule that ran the last step (trace())
         self._steps = 0
         self._pending: dict | None = None  # a tuning between its memory step and its last timing step
         self._refused = False  # a shape change ended a tuning early: the next step tunes afresh
@@ -258,6 +259,7 @@ class ScheduleAuto:
             return self._timing_step(args, kwargs)
         start = time.perf_counter()
         out = self._current.step(*args, **kwargs)
+        self._ran = self._current
         if self.tuning is not None and len(self._after) < _MEASURED_STEPS:
             self._after.append(time.perf_counter() - start)
             self.tuning.measured_step_s = statistics.median(self._after)
@@ -272,9 +274,10 @@ class ScheduleAuto:
             out = measuring.step(*args, **kwargs)
         finally:
             measuring.measure_memory = False
+        self._ran = measuring
         self._pending = dict(measuring=measuring, fused=self._fused_for(measuring), deltas=measuring.memory_profile(),
                              shapes=shapes, records=[], walls=[], ran=[])
-        self._current = measuring  # the next step's (program, choice and trace() report it)
+        self._current = measuring  # the next step's (program and choice report it)
         return out
 
     def _fused_for(self, measuring: PipelineSchedule) -> PipelineSchedule | None:
@@ -311,6 +314,7 @@ class ScheduleAuto:
         runs = self._current
         start = time.perf_counter()
         out = runs.step(*args, **kwargs)
+        self._ran = runs
         pending["walls"].append(time.perf_counter() - start)
         pending["records"] += runs.trace()
         pending["ran"].append(runs.program)
@@ -329,6 +333,7 @@ class ScheduleAuto:
         self._check_shapes(trial["shapes"], trial["first"], args, kwargs)
         start = time.perf_counter()
         out = self._current.step(*args, **kwargs)
+        self._ran = self._current
         trial["walls"].append(time.perf_counter() - start)
         if len(trial["walls"]) < len(trial["order"]):
             self._current = trial["schedules"][trial["order"][len(trial["walls"])][0]]
@@ -357,10 +362,11 @@ class ScheduleAuto:
         return self._current.eval(*args, **kwargs)
 
     def trace(self) -> list[dict]:
-        return self._current.trace()
+        """The last step's trace, whichever schedule ran it (a timing or trial step's too)."""
+        return self._ran.trace()
 
     def export_chrome_trace(self, path: str) -> None:
-        self._current.export_chrome_trace(path)
+        self._ran.export_chrome_trace(path)
 
     def memory_profile(self) -> dict:
         """This rank's memory deltas measured at the last tuning step (memory_profile())."""

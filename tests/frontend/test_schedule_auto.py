@@ -16,6 +16,7 @@ from helpers.model_registry import build, call_chain, data
 
 import zbpipe
 from zbpipe.schedule_auto import FAMILIES, FUSED, placement_of
+from zbpipe.stage_costs import _COMPUTE
 
 PP, M, STEPS = 2, 4, 6
 LAYOUTS = {"one": [0, 1], "v": [0, 1, 1, 0], "looped": [0, 1, 0, 1]}  # stage -> rank
@@ -47,16 +48,18 @@ def _tune(sched, stages):
 
 def _train(rank, pp, placement):
     sched, stages, _ = _auto(rank, pp, placement, default_tuning=True)
-    programs = []
+    programs, traced = [], []
     for k in range(STEPS):
         programs.append(sched.program.to_csv_text())  # the program step k runs
         _step(sched, stages, k)
+        traced.append(sorted({m.group(2) for r in sched.trace() if (m := _COMPUTE.match(r["action"]))}))
     grads = {(s.stage_index, n): p.grad.clone() for s in stages for n, p in s.submod.named_parameters()}
     t = sched.tuning
     return dict(grads=grads, programs=programs, choice=sched.choice, table=t.table(), costs=t.costs,
                 deltas=t.deltas, candidates=[(c.name, c.predicted_s, c.peak_bytes, c.fits) for c in t.candidates],
                 measured=t.measured_step_s, predicted=t.predicted_s, safe=FAMILIES[sched.placement][0],
-                overhead=t.overhead_s, comm=t.comm_s, judged=t.predict(sched.program), timed=t.timed, at=t.step)
+                overhead=t.overhead_s, comm=t.comm_s, judged=t.predict(sched.program), timed=t.timed, at=t.step,
+                traced=traced)
 
 
 @pytest.mark.parametrize("placement", sorted(LAYOUTS))
@@ -79,6 +82,9 @@ def test_exact_gradients_and_one_program_across_the_switch(spawn_world, placemen
     fused = zbpipe.compile(fused_name, PP, M, spr).to_csv_text()
     chosen = results[0]["programs"][4]
     assert results[0]["programs"] == [safe, safe, fused, safe, chosen, chosen], placement
+    # trace() is the last step's, whichever schedule ran it: B where 1f1b timed it.
+    split = ["F", "I", "W"]
+    assert results[0]["traced"][:4] == [split, split, ["B", "F"] if placement in FUSED else split, split], results[0]["traced"]
     # The tuning's fields: costs and deltas of every stage, every candidate of the family.
     res = results[0]
     assert res["at"] == 4 and res["timed"] == [results[0]["safe"], fused_name, results[0]["safe"]], res["timed"]
@@ -407,7 +413,7 @@ def test_trial_arguments_are_checked():
 
 
 def _pooled(rank, pp):
-    from zbpipe.stage_costs import _COMPUTE, profile_from_trace
+    from zbpipe.stage_costs import profile_from_trace
 
     sched, stages, _ = _auto(rank, pp, "one", timing_steps=4)
     per_step, tuned = [], []
