@@ -126,18 +126,18 @@ def _steady_costs(steps: list) -> dict:
                 for k in "fiwb"} for s in profiles[0]}
 
 
-def _rank_summary(steps: dict[str, list], safe: str) -> dict:
+def _rank_summary(steps: dict[str, list], placement: str) -> dict:
     """This rank's median breakdown per schedule, and its stages' per-action costs in the safe
-    default's timed steps, with B from the fused schedule's where it ran (FUSED)."""
+    default's timed steps, with B from the placement's fused schedule's (FUSED) where it has one."""
     parts = {}
     for k, v in steps.items():
         each = [_breakdown(*step) for step in v]
         parts[k] = {f: statistics.median(b[f] for b in each) for f in each[0]}
-    costs = _steady_costs(steps[safe])
-    for placement, fused in schedule_auto.FUSED.items():
-        if FAMILIES[placement][0] == safe and fused in steps:
-            for s, c in _steady_costs(steps[fused]).items():
-                costs[s]["b"] = c["b"]
+    costs = _steady_costs(steps[FAMILIES[placement][0]])
+    fused = schedule_auto.FUSED.get(placement)
+    if fused in steps:
+        for s, c in _steady_costs(steps[fused]).items():
+            costs[s]["b"] = c["b"]
     return dict(parts=parts, costs=costs)
 
 
@@ -206,7 +206,7 @@ def _bench(rank: int, world: int, a: dict) -> None:
                 times[k].append(_timed(s, x, y, first, last, mods, steps[k] if steps is not None else None))
         every = [None] * world
         if steps is not None:
-            dist.all_gather_object(every, _rank_summary(steps, FAMILIES[placement][0]))
+            dist.all_gather_object(every, _rank_summary(steps, placement))
         if rank == 0:
             med = {k: statistics.median(v) for k, v in times.items()}
             fixed = {k: v for k, v in med.items() if k != "auto"}

@@ -257,13 +257,18 @@ class ScheduleAuto:
             return self._memory_step(args, kwargs)
         if self._pending is not None:
             return self._timing_step(args, kwargs)
-        start = time.perf_counter()
-        out = self._current.step(*args, **kwargs)
-        self._ran = self._current
+        out, wall = self._run(self._current, args, kwargs)
         if self.tuning is not None and len(self._after) < _MEASURED_STEPS:
-            self._after.append(time.perf_counter() - start)
+            self._after.append(wall)
             self.tuning.measured_step_s = statistics.median(self._after)
         return out
+
+    def _run(self, sched: PipelineSchedule, args, kwargs) -> tuple:
+        """One step of `sched`: its output and wall time; trace() reports it from now on."""
+        start = time.perf_counter()
+        out = sched.step(*args, **kwargs)
+        self._ran = sched
+        return out, time.perf_counter() - start
 
     def _memory_step(self, args, kwargs):
         self._refused = False
@@ -271,10 +276,9 @@ class ScheduleAuto:
         shapes = _shapes(args, kwargs)
         measuring.measure_memory = True
         try:
-            out = measuring.step(*args, **kwargs)
+            out, _ = self._run(measuring, args, kwargs)
         finally:
             measuring.measure_memory = False
-        self._ran = measuring
         self._pending = dict(measuring=measuring, fused=self._fused_for(measuring), deltas=measuring.memory_profile(),
                              shapes=shapes, records=[], walls=[], ran=[])
         self._current = measuring  # the next step's (program and choice report it)
@@ -287,7 +291,7 @@ class ScheduleAuto:
         name = FUSED.get(self.placement)
         if name is None or self._timing_steps < 2:
             return None
-        fused = self._schedule_for(name, _compile(name, self._pp, self._n, self._spr))
+        fused = self._schedules.get(name) or self._schedule_for(name, _compile(name, self._pp, self._n, self._spr))
         if measuring is self._schedules[self._safe] or self.tuning is None or self.tuning.predict(fused.program).fits:
             return fused
         return None
@@ -312,17 +316,15 @@ class ScheduleAuto:
         pending = self._pending
         self._check_shapes(pending["shapes"], self._steps - 1 - len(pending["walls"]), args, kwargs)
         runs = self._current
-        start = time.perf_counter()
-        out = runs.step(*args, **kwargs)
-        self._ran = runs
-        pending["walls"].append(time.perf_counter() - start)
+        out, wall = self._run(runs, args, kwargs)
+        pending["walls"].append(wall)
         pending["records"] += runs.trace()
         pending["ran"].append(runs.program)
-        # The split schedule first, then every second step the fused one (where there is one).
-        odd = len(pending["walls"]) % 2 == 1
-        self._current = pending["fused"] if odd and pending["fused"] is not None else pending["measuring"]
-        if len(pending["walls"]) == self._timing_steps:
-            self._current = runs  # the one that ran last: a choice of its program keeps it
+        if len(pending["walls"]) < self._timing_steps:
+            # The split schedule first, then every second step the fused one (where there is one).
+            odd = len(pending["walls"]) % 2 == 1
+            self._current = pending["fused"] if odd and pending["fused"] is not None else pending["measuring"]
+        else:  # the last: the schedule that ran it stays current (a choice of its program keeps it)
             self._pending = None
             self._tune(pending["measuring"], pending["deltas"], pending["records"], pending["walls"],
                        pending["ran"], pending["shapes"])
@@ -331,10 +333,8 @@ class ScheduleAuto:
     def _trial_step(self, args, kwargs):
         trial = self._trial
         self._check_shapes(trial["shapes"], trial["first"], args, kwargs)
-        start = time.perf_counter()
-        out = self._current.step(*args, **kwargs)
-        self._ran = self._current
-        trial["walls"].append(time.perf_counter() - start)
+        out, wall = self._run(self._current, args, kwargs)
+        trial["walls"].append(wall)
         if len(trial["walls"]) < len(trial["order"]):
             self._current = trial["schedules"][trial["order"][len(trial["walls"])][0]]
         else:
