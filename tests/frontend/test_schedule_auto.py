@@ -357,17 +357,21 @@ def test_timing_steps_is_checked_against_itself_and_retune_every():
 def _trial(rank, pp, placement):
     # A margin that takes in every fitting candidate, so the trial always runs.
     sched, stages, _ = _auto(rank, pp, placement, trial_steps=2, trial_margin=10.0)
-    programs, tuned = [], []
+    programs, tuned, traced = [], [], []
+    compute = lambda names: sorted(a for a in names if _COMPUTE.match(a))  # noqa: E731
     while tuned.count(True) < 2:  # until the choice has run two steps
         programs.append(sched.program.to_csv_text())  # the program this step runs
+        planned = compute(sched.program.actions(rank))
         _step(sched, stages, len(programs) - 1)
         tuned.append(sched.tuned)
+        # trace() is this step's, whichever schedule ran it: the program's compute actions.
+        traced.append(compute(r["action"] for r in sched.trace()) == planned)
         assert len(programs) < 40
     t = sched.tuning
     grads = {(s.stage_index, n): p.grad.clone() for s in stages for n, p in s.submod.named_parameters()}
     return dict(programs=programs, tuned=tuned, grads=grads, trial=t.trial, planned=t.planned, choice=t.choice,
                 running=sched.choice, walls={c.name: c.trial_s for c in t.candidates}, table=t.table(),
-                fits=[c.name for c in t.candidates if c.fits], safe=FAMILIES[placement][0])
+                fits=[c.name for c in t.candidates if c.fits], safe=FAMILIES[placement][0], traced=traced)
 
 
 @pytest.mark.parametrize("placement", ["one", "v"])
@@ -383,6 +387,7 @@ def test_a_trial_runs_the_near_candidates_in_real_steps_and_keeps_the_fastest(sp
         for (stage, name), g in res["grads"].items():
             assert_close(g, dict(mods[stage].named_parameters())[name].grad, msg=f"trial {stage}.{name}")
     assert a["programs"] == b["programs"] and a["choice"] == b["choice"], "the ranks diverged"
+    assert all(a["traced"]) and all(b["traced"]), (a["traced"], b["traced"])
     near = a["trial"]
     # Every fitting candidate, in candidate order, but one per distinct program.
     fitting = [n for n in FAMILIES[placement][1] if n in a["fits"]]
