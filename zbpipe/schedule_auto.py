@@ -24,7 +24,7 @@ import torch.distributed as dist
 from . import _C
 from .programs import compile as _compile
 from .programs import simulate
-from .schedules import PipelineSchedule, _rank_stages
+from .schedules import PipelineSchedule, _OneRunning, _rank_stages
 from .stage_costs import compile_costs, profile_from_trace
 
 # placement -> (safe default, candidates). Cost-driven candidates plan with the measurements.
@@ -185,7 +185,9 @@ class ScheduleAuto:
     Raises zbpipe.ScheduleError for stages matching no placement family, for a budget below
     every candidate's need (naming the smallest need in bytes), when the ranks' measurements
     disagree (stage counts, microbatches, or a stage measured twice or never), and, before the
-    step runs, when a timing step brings other shapes than the tuning's first.
+    step runs, when a timing step brings other shapes than the tuning's first. One call at a
+    time, as every schedule: step() or eval() while another runs raises RuntimeError at once.
+    A failure names the user's step number, whichever program runs it.
     """
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None, *,
@@ -219,6 +221,8 @@ class ScheduleAuto:
         self._current = self._schedule_for(self._safe, _compile(self._safe, self._pp, n_microbatches, self._spr))
         self._ran = self._current  # the schedule that ran the last step (trace())
         self._steps = 0
+        self._evals = 0  # eval() calls: the inner schedules' failure messages number them
+        self._one_running = _OneRunning("ScheduleAuto")
         self._pending: dict | None = None  # a tuning between its memory step and its last timing step
         self._refused = False  # a shape change ended a tuning early: the next step tunes afresh
         self._after: list[float] = []      # step times after the last switch (measured_step_s)
@@ -246,6 +250,10 @@ class ScheduleAuto:
         timing_steps steps: the first measures the memory deltas (the probe's pack hooks slow
         it, and a first step also warms up), the others the times; the ranks then gather, plan
         and switch for the step after."""
+        with self._one_running("step"):
+            return self._step(args, kwargs)
+
+    def _step(self, args, kwargs):
         self._steps += 1
         if self._trial is not None:  # a tuning's trial first (a re-tune falling inside it is skipped)
             return self._trial_step(args, kwargs)
@@ -266,6 +274,7 @@ class ScheduleAuto:
     def _run(self, sched: PipelineSchedule, args, kwargs) -> tuple:
         """One step of `sched`: its output and wall time; trace() reports it from now on."""
         start = time.perf_counter()
+        sched._calls["step"] = self._steps - 1  # its failures name the user's step, not its own count
         out = sched.step(*args, **kwargs)
         self._ran = sched
         return out, time.perf_counter() - start
@@ -359,7 +368,10 @@ class ScheduleAuto:
         self._after = []
 
     def eval(self, *args, **kwargs):
-        return self._current.eval(*args, **kwargs)
+        with self._one_running("eval"):
+            self._evals += 1
+            self._current._calls["eval"] = self._evals - 1
+            return self._current.eval(*args, **kwargs)
 
     def trace(self) -> list[dict]:
         """The last step's trace, whichever schedule ran it (a timing or trial step's too)."""

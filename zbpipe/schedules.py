@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import weakref
 from typing import Callable
 
@@ -34,6 +35,35 @@ def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int,
         return _compile(name, pp, microbatches, stages_per_rank or None, **dict(options))
     # Forward only: the schedule's forwards, in its order and topology, lowered and validated.
     return _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
+
+
+class _OneRunning:
+    """At most one call running a schedule's executors: a second step()/eval() while one runs
+    (from another thread, or from inside a stage of the running one) raises RuntimeError at
+    once, naming the running call and its thread. Checked before the second call touches
+    anything, so the running step goes on unaffected."""
+
+    def __init__(self, owner: str):
+        self._owner = owner
+        self._lock = threading.Lock()
+        self._running: tuple[str, str] | None = None  # (call, thread name) of the running one
+
+    @contextlib.contextmanager
+    def __call__(self, call: str):
+        if not self._lock.acquire(blocking=False):
+            running = self._running  # None only in the instant the running call starts or ends
+            what = (f"{running[0]}() is already running on this {self._owner} (called from thread "
+                    f"{running[1]!r})") if running else f"another call is running on this {self._owner}"
+            raise RuntimeError(
+                f"zbpipe: {call}() called from thread {threading.current_thread().name!r} while "
+                f"{what}: a schedule runs one step at a time; wait for it to return (or build one "
+                "schedule per pipeline, each on its own process group)")
+        self._running = (call, threading.current_thread().name)
+        try:
+            yield
+        finally:
+            self._running = None
+            self._lock.release()
 
 
 class PipelineContext:
@@ -157,7 +187,8 @@ class PipelineSchedule:
     computing learns it at its next wait). Ctrl-C during a step raises KeyboardInterrupt on
     that rank and tells the others (docs/runtime.md#failures). Before the first
     step the ranks compare their programs (schedule, pp, microbatches, stage placement, action
-    lists): a mismatch fails every rank at once, naming both sides.
+    lists): a mismatch fails every rank at once, naming both sides. A schedule runs one call at
+    a time: step() or eval() while another runs raises RuntimeError at once, naming it.
     """
 
     schedule: str = ""
@@ -228,6 +259,10 @@ class PipelineSchedule:
         self._last: _C.Executor | None = None  # the executor of the last step (trace)
         self._measure_memory = measure_memory
         self._memory_profile: dict | None = None  # of the last probing step
+        self._one_running = _OneRunning("schedule")
+        # The user's step()/eval() calls so far: failure messages name the step by them (an
+        # owner running several schedules, as ScheduleAuto, sets them to its own counts).
+        self._calls = {"step": 0, "eval": 0}
 
     def _compiled(self, compile_options: dict | None) -> _C.Program:
         """The program of this class's schedule for the stages' layout (even layouts only)."""
@@ -302,8 +337,13 @@ class PipelineSchedule:
                     group_ranks=self._world[1], sync_groups=self._sync_groups(train))
             except Exception as e:  # tell the peers, whatever the device: they would wait for this rank
                 groups = [g for gs in self._sync_groups(train).values() for g in gs]
-                _C.Executor.report_setup_failure(self._group, groups, self._world[0], f"{type(e).__name__}: {e}")
-                raise
+                what = f"{type(e).__name__}: {e}"
+                _C.Executor.report_setup_failure(self._group, groups, self._world[0], what)
+                if isinstance(e, (ValueError, TypeError)):  # the caller's arguments (ScheduleError too)
+                    raise
+                # A failure of the device or backend: a PipelineError, as its peers get.
+                rank = self._world[0] if self._world[0] >= 0 else self._group.rank()
+                raise _C.PipelineError(f"rank {rank} failed while building its executor: {what}") from e
             self._executors[train] = ex
             self._executor_syncs[train] = syncs
             self._install_custom(ex)
@@ -390,9 +430,10 @@ class PipelineSchedule:
         container or entry of the wrong type raises TypeError, a count other than
         n_microbatches ValueError, as torch's checks do. Microbatch 0 negotiates the step's
         message shapes: every microbatch must give each stage output that shape."""
-        self._check_grad_mode()
-        inputs = (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
-        return self._run(inputs, losses, return_outputs, loss_kwargs, train=self._has_backward)
+        with self._one_running("step"):
+            self._check_grad_mode()
+            inputs = (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+            return self._run("step", inputs, losses, return_outputs, loss_kwargs, train=self._has_backward)
 
     def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
@@ -401,13 +442,16 @@ class PipelineSchedule:
         last stage, losses computed when a loss_fn and target (or target_mbs) are given. Takes
         whole batches or pre-split microbatches as step does. Runs with or without
         torch.no_grad(); every rank of the pipeline calls it together, as step."""
-        inputs = (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
-        return self._run(inputs, losses, return_outputs, loss_kwargs, train=False)
+        with self._one_running("eval"):
+            inputs = (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+            return self._run("eval", inputs, losses, return_outputs, loss_kwargs, train=False)
 
-    def _run(self, inputs: tuple, losses, return_outputs, loss_kwargs, train: bool):
+    def _run(self, call: str, inputs: tuple, losses, return_outputs, loss_kwargs, train: bool):
+        self._calls[call] += 1
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list, got {type(losses).__name__}")
         executor = self._get_executor(train)
+        executor.set_step_number(self._calls[call])  # the failure messages' "step N"
         with contextlib.ExitStack() as stage_scopes:
             try:  # this rank's own checks: a failure here is told to every peer
                 self._check_data_parallel(train)

@@ -241,6 +241,8 @@ class PipelineStage:
             return [], None, kept
         with contextlib.nullcontext() if step.train else torch.no_grad():
             loss = step.loss_fn(out, step.targets[mb], **step.loss_kwargs)
+        if step.train:
+            _check_scalar_loss(loss, self.stage_index, mb)
         return ([loss] if step.train else []), loss.detach(), kept
 
     @property
@@ -341,6 +343,21 @@ class PipelineStage:
         tensors = [torch.zeros(s, dtype=d, device=self.device) for s, d in specs]
         args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_parsed))
         return self._invoke(module, tuple(args), {**named, **kwargs})
+
+
+def _check_scalar_loss(loss, stage: int, mb: int) -> None:
+    """The backward starts from a scalar loss, as loss.backward() in one process does: a loss of
+    another shape raises here, in the forward, before its backward would seed every element with
+    the gradient (the gradients of loss.sum()). The executor turns it into every rank's
+    PipelineError."""
+    if not isinstance(loss, torch.Tensor):
+        raise TypeError(f"zbpipe: loss_fn returned {type(loss).__name__} for microbatch {mb} of stage "
+                        f"{stage}; a training step needs a scalar tensor to start the backward from")
+    if loss.numel() != 1:
+        raise RuntimeError(
+            f"zbpipe: loss_fn returned a loss of shape {tuple(loss.shape)} for microbatch {mb} of stage "
+            f"{stage}; the backward starts from a scalar loss (grad can be implicitly created only for "
+            "scalar outputs, as loss.backward() says): reduce it in loss_fn (e.g. .mean())")
 
 
 def _layout(obj, out: list) -> str:

@@ -184,6 +184,8 @@ void register_runtime(py::module_& m) {
       .def_property_readonly("rank", &runtime::Executor::rank)
       .def_property_readonly("program", &runtime::Executor::program)
       .def("set_timeout", &set_timeout, py::arg("timeout_s"))
+      .def("set_step_number", &runtime::Executor::set_step_number, py::arg("n"),
+           "The step number failure messages give the next step (the schedule's count of its calls).")
       .def("set_memory_probe", &runtime::Executor::set_memory_probe, py::arg("on"),
            "From the next step on, call each stage's _zb_backward_input_done after every I.")
       .def("signatures", &signatures_to_py, py::arg("stage"),

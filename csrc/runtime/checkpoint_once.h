@@ -12,32 +12,45 @@
 //
 // The flag is per thread because the engine runs a node's pre-hooks, the node and its
 // post-hooks on one thread (the caller's on CPU, the device's worker on accelerators), and the
-// node's unpack hooks inside it.
+// node's unpack hooks inside it. It lives no longer than its I call (KeepScope).
 #pragma once
 
 #include <torch/csrc/autograd/function.h>
 
+#include <atomic>
+#include <memory>
+
 namespace zbpipe::runtime::checkpoint_once {
 
-// True while a boundary node runs its input side in I on this thread: a checkpoint unpack
-// must keep the recomputed tensor for the node's second run, in W.
+// True while a boundary node runs its input side in I on this thread, under a KeepScope still
+// open: a checkpoint unpack must keep the recomputed tensor for the node's second run, in W.
 bool keeps_unpacked();
 
-// Brackets `node`'s run in I with the keep flag (a pre-hook sets it, a post-hook clears it).
-// Returns the two hooks, owned by the node, so the caller can remove them after I.
+// The two hooks add_keep_hooks put on a node, owned by it: the caller removes them after I.
 struct KeepHooks {
   const torch::autograd::FunctionPreHook* pre;
   const torch::autograd::FunctionPostHook* post;
 };
-KeepHooks add_keep_hooks(torch::autograd::Node& node);
 
-// Clears this thread's flag when destroyed: a node that threw in I skipped its post-hook.
-class ClearKeepOnExit {
+// The keep flag's lifetime: one I call. The hooks added under it raise the flag on whichever
+// thread runs their node (the caller's on CPU, the device's autograd thread on accelerators)
+// and lower it after; the scope's end lowers it on every such thread, also where a node threw
+// in I and so skipped its post-hook (on a device thread, which outlives the call, the flag
+// would otherwise stay raised for every later backward there).
+class KeepScope {
  public:
-  ClearKeepOnExit() = default;
-  ~ClearKeepOnExit();
-  ClearKeepOnExit(const ClearKeepOnExit&) = delete;
-  ClearKeepOnExit& operator=(const ClearKeepOnExit&) = delete;
+  KeepScope();
+  ~KeepScope();
+  KeepScope(const KeepScope&) = delete;
+  KeepScope& operator=(const KeepScope&) = delete;
+
+ private:
+  friend KeepHooks add_keep_hooks(torch::autograd::Node& node, const KeepScope& scope);
+  std::shared_ptr<std::atomic<bool>> open_;  // shared with the hooks and the threads they ran on
 };
+
+// Brackets `node`'s run in I with the keep flag of `scope`: a pre-hook raises it on the
+// thread running the node, a post-hook lowers it.
+KeepHooks add_keep_hooks(torch::autograd::Node& node, const KeepScope& scope);
 
 }  // namespace zbpipe::runtime::checkpoint_once

@@ -337,7 +337,18 @@ void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vec
   for (size_t i = 0; ok && i < outs.size(); ++i)
     ok = outs[i].defined() && outs[i].scalar_type() == want[i].dtype &&
          outs[i].sizes().vec() == want[i].shape;
-  if (ok) return;
+  if (ok) {
+    // Sent, or handed to the next local stage, as they are: on the rank's device.
+    const c10::Device& device = p2p_->device();
+    for (size_t i = 0; i < outs.size(); ++i) {
+      const c10::Device d = outs[i].device();
+      if (d.type() == device.type() && (!device.has_index() || d.index() == device.index())) continue;
+      throw PipelineError(detail::str("stage ", stage, " microbatch ", mb, " produced ", what, " on device ",
+                                      d.str(), " (tensor ", i, " of ", outs.size(), ") but the pipeline runs on ",
+                                      device.str(), ": move them to the stage's device"));
+    }
+    return;
+  }
   std::vector<TensorSpec> got;
   for (const auto& t : outs)
     got.push_back(t.defined() ? TensorSpec{t.sizes().vec(), t.scalar_type()} : TensorSpec{});

@@ -100,6 +100,10 @@ class Executor {
   const std::vector<TraceRecord>& trace() const { return trace_; }
   const Program& program() const { return program_; }
   int rank() const { return rank_; }
+  // The number failure reports give the next step (run() and report_failure): the caller's
+  // count of its steps, where one schedule runs several executors (train and eval, or
+  // ScheduleAuto's programs). Without it, run() calls of this executor are counted.
+  void set_step_number(int64_t n) { steps_ = n - 1; }
   // The bound of every wait from the next step on.
   void set_timeout(std::chrono::milliseconds t) { options_.timeout = t; }
   // From the next step on, call StageHandle::backward_input_done after every I (off by default:
@@ -258,7 +262,7 @@ class Executor {
   std::vector<ShapeSet> shape_sets_;  // in negotiation order (equal on every rank)
   int current_set_ = -1;
   int handshakes_ = 0;
-  int64_t steps_ = 0;                 // run() calls, for failure reports
+  int64_t steps_ = 0;                 // the running step's number in failure reports (set_step_number)
   int64_t id_ = -1;                   // executor id on the group (failure_watch.h)
   bool agreed_ = false;               // program fingerprints compared
   std::unique_ptr<FailureWatch> watch_;

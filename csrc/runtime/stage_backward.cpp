@@ -385,13 +385,14 @@ struct Captures {
 // The capture hooks on the boundary nodes for the I run, removed when it ends.
 class BoundaryHooks {
  public:
-  BoundaryHooks(const Plan& plan, const std::vector<Node*>& order, Captures& into) {
+  BoundaryHooks(const Plan& plan, const std::vector<Node*>& order, Captures& into,
+                const checkpoint_once::KeepScope& keep_scope) {
     for (size_t k = 0; k < plan.rerun.size(); ++k) {
       auto hook = std::make_unique<CaptureInputs>(&into.rerun[k]);
       pre_.emplace_back(order[plan.rerun[k]], hook.get());
       order[plan.rerun[k]]->add_pre_hook(std::move(hook));
       // Checkpointed tensors it unpacks now are kept for its re-run in W (checkpoint_once.h).
-      auto keep = checkpoint_once::add_keep_hooks(*order[plan.rerun[k]]);
+      auto keep = checkpoint_once::add_keep_hooks(*order[plan.rerun[k]], keep_scope);
       pre_.emplace_back(order[plan.rerun[k]], keep.pre);
       post_.emplace_back(order[plan.rerun[k]], keep.post);
     }
@@ -423,8 +424,8 @@ variable_list run_input_side(const Plan& plan, const std::vector<Node*>& order, 
     i_roots.push_back(edges[r]);
     i_grads.push_back(grads[r]);
   }
-  BoundaryHooks hooks(plan, order, captures);
-  checkpoint_once::ClearKeepOnExit clear_keep;
+  checkpoint_once::KeepScope keep;  // its end lowers the flag on every thread, also after a throw
+  BoundaryHooks hooks(plan, order, captures, keep);
   return run_engine(i_roots, i_grads, /*keep_graph=*/true, /*accumulate_grad=*/false, outputs);
 }
 

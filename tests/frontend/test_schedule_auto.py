@@ -208,6 +208,38 @@ def test_measurements_that_disagree_fail_every_rank(spawn_world):
         assert "rank 1 measured num_stages=3" in msg, msg
 
 
+def _fails_at_step(rank, pp, step):
+    """The default tuning (steps 1-4) over FaultyLinear stages; rank 1's stage raises in the
+    first forward of `step`. Returns each rank's error message."""
+    import torch.distributed as dist
+    from helpers.model_registry import FaultyLinear
+
+    group = dist.new_group(list(range(PP)), backend="gloo")
+    torch.manual_seed(0)
+    mod = FaultyLinear(fail_at=(step - 1) * M + 1 if rank == 1 else None)
+    stage = zbpipe.PipelineStage(mod, rank, PP, "cpu", group=group)
+    sched = zbpipe.ScheduleAuto([stage], M, loss_fn=F.mse_loss, timeout=60)
+    for k in range(step):
+        x, y = data("mlp", 2 * M, seed=k + 1)
+        try:
+            sched.step(*((x,) if rank == 0 else ()), target=y if rank == PP - 1 else None)
+        except zbpipe.PipelineError as e:
+            return k + 1, str(e)
+    return step, None
+
+
+@pytest.mark.parametrize("step", [3, 5])
+def test_a_failure_names_the_users_step_whichever_schedule_runs_it(spawn_world, step):
+    """Step 3 is the timing step that runs 1f1b (the fused schedule), step 5 the first of the
+    tuned program: each said "step 1", its schedule's own count (issue #35)."""
+    import re
+
+    for rank, (failed_at, msg) in enumerate(spawn_world(PP).run(_fails_at_step, step, timeout_s=120)):
+        assert failed_at == step and msg is not None, (rank, failed_at)
+        assert "boom from inside the stage" in msg.splitlines()[0], msg
+        assert set(re.findall(r"\bstep (\d+)", msg)) == {str(step)}, msg
+
+
 def test_a_placement_of_no_family_is_refused():
     assert placement_of([1], 1, 2, 2) == "one"
     assert placement_of([1, 2], 1, 2, 4) == "v"

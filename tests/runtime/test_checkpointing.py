@@ -475,3 +475,48 @@ def test_every_schedule_recomputes_once_and_is_exact(spawn_world, name):
     assert len(results) == 2
     for rank, failures in enumerate(results):
         assert not failures, f"rank {rank}:\n" + "\n".join(failures)
+
+
+class _KeepProbe(torch.autograd.Function):
+    """Identity whose backward records the keep flag of the thread that runs it (the caller's
+    on CPU, the device's autograd thread on CUDA)."""
+
+    seen: list = []
+
+    @staticmethod
+    def forward(ctx, t):
+        return t.clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        _KeepProbe.seen.append(_C._checkpoint_keeps_unpacked())
+        return g
+
+
+@pytest.mark.parametrize("device", [
+    "cpu", pytest.param("cuda", marks=pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="needs a GPU: there the node runs on the device's autograd thread"))])
+def test_an_error_inside_i_leaves_the_keep_flag_lowered(device):
+    """The recomputation fails inside the Linear's node while it runs its input side in I (the
+    keep flag raised, its post-hook then skipped): every later backward on the thread that ran
+    it, the device's autograd thread on CUDA, sees the flag lowered (issue #36)."""
+    lin = nn.Linear(6, 6).to(device)
+    seen = []
+
+    def fn(t):
+        if seen:  # the recomputation, at the first unpack in I
+            seen.append(_C._checkpoint_keeps_unpacked())
+            raise ValueError("the recomputation fails")
+        seen.append("forward")
+        return lin(t)
+
+    x = torch.randn(4, 6, device=device, requires_grad=True)
+    with recompute_once():
+        out = checkpoint(fn, x, use_reentrant=False)
+    with pytest.raises(ValueError, match="the recomputation fails"):
+        _C.backward_input([out], [torch.ones_like(out)], [x])
+    assert seen == ["forward", True]  # it failed with the flag raised
+    _KeepProbe.seen = []
+    _KeepProbe.apply(torch.ones(3, device=device, requires_grad=True)).sum().backward()
+    assert _KeepProbe.seen == [False]
+    assert not _C._checkpoint_keeps_unpacked()

@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 from helpers.model_registry import FaultyLinear
 from zbpipe.train.launcher import RankFailure
@@ -20,7 +21,7 @@ PP = 3
 WAIT_S = 2.0  # the executor's wait timeout in these tests
 
 
-def _attempt(rank, make_stage, batch=8, n=4, timeout=WAIT_S):
+def _attempt(rank, make_stage, batch=8, n=4, timeout=WAIT_S, loss_fn=F.mse_loss):
     """One step on a fresh group; returns (exception type, message, seconds) or ok."""
     import torch.distributed as dist
 
@@ -29,7 +30,7 @@ def _attempt(rank, make_stage, batch=8, n=4, timeout=WAIT_S):
     group = dist.new_group(list(range(PP)), backend="gloo")
     torch.manual_seed(0)
     stage = make_stage(group)
-    sched = zbpipe.Schedule1F1B(stage, n, loss_fn=F.mse_loss, timeout=timeout)
+    sched = zbpipe.Schedule1F1B(stage, n, loss_fn=loss_fn, timeout=timeout)
     x, y = torch.randn(batch, 8), torch.randn(batch, 8)
     t0 = time.monotonic()
     try:
@@ -65,6 +66,37 @@ def _placement(rank):
     return ("ok", "", 0.0)
 
 
+class _OffDevice(nn.Module):
+    """nn.Linear(8, 8) whose training forwards return their output on the meta device (the
+    shape pass, under no_grad, sees the right one)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        y = self.lin(x)
+        return y.to("meta") if torch.is_grad_enabled() else y
+
+
+def _elementwise_loss(out, target):
+    return (out - target) ** 2  # not reduced: shape (microbatch, 8)
+
+
+def _loss_shape(rank):
+    """A loss of shape (2, 8): every rank fails before any backward (no parameter has a .grad)."""
+    import zbpipe
+
+    stages = []
+
+    def make(group):
+        stages.append(zbpipe.PipelineStage(FaultyLinear(), rank, PP, "cpu", group=group))
+        return stages[0]
+
+    res = _attempt(rank, make, loss_fn=_elementwise_loss)
+    return res + (all(p.grad is None for p in stages[0].submod.parameters()),)
+
+
 def _scenario(rank, pp, scenario):
     """A warm-up step (first use, imports and lazy init, may be slow), then the scenario."""
     import zbpipe
@@ -88,6 +120,11 @@ def _scenario(rank, pp, scenario):
         return _attempt(rank, lambda g: zbpipe.PipelineStage(
             FaultyLinear().to("meta") if rank == 1 else FaultyLinear(), rank, PP, "meta" if rank == 1 else "cpu",
             group=g))
+    if scenario == "loss_shape":
+        return _loss_shape(rank)
+    if scenario == "off_device":  # rank 1's stage outputs land on the meta device
+        return _attempt(rank, lambda g: zbpipe.PipelineStage(
+            _OffDevice() if rank == 1 else FaultyLinear(), rank, PP, "cpu", group=g))
     if scenario == "plain":
         return _attempt(rank, _plain(rank))
     assert scenario == "dies"  # rank 1 dies in its second forward: after the handshake, mid-step
@@ -257,11 +294,34 @@ def test_a_setup_failure_on_any_device_is_told_to_the_peers(spawn_world):
     for rank, r in enumerate(_run(spawn_world, "meta")):
         _check_failure(r if rank != 1 else ("PipelineError",) + r[1:], rank)
         first = r[1].splitlines()[0]
-        if rank == 1:  # the device's own error, raised where it happened
-            assert r[0] == "RuntimeError" and first.startswith("No backend type associated with device type meta"), r[1]
+        if rank == 1:  # the device's own error, as a PipelineError like every rank's (issue #35)
+            assert r[0] == "PipelineError", r
+            assert first.startswith("rank 1 failed while building its executor: RuntimeError: No backend type "
+                                    "associated with device type meta"), r[1]
         else:
             assert first.startswith("aborted because rank 1 failed while building its executor: "), r[1]
             assert "meta" in first and "timeout" not in r[1] and " within " not in r[1], r[1]
+
+
+def test_a_loss_that_is_not_a_scalar_fails_every_rank_before_any_backward(spawn_world):
+    """As loss.backward() in one process: no silent backward of loss.sum() (issue #35)."""
+    for rank, r in enumerate(_run(spawn_world, "loss_shape")):
+        _check_failure(r[:3], rank, "loss_fn returned a loss of shape (2, 8) for microbatch 0 of stage 2",
+                       "grad can be implicitly created only for scalar outputs")
+        assert r[0] == "PipelineError", r
+        first = r[1].splitlines()[0]
+        culprit = "rank 2 failed in stage 2 at action 2F0 (microbatch 0): RuntimeError: zbpipe: loss_fn returned"
+        assert first.startswith(culprit if rank == 2 else "aborted because " + culprit), first
+        assert r[3], f"rank {rank}: a backward ran (a parameter has a .grad)"
+
+
+def test_a_stage_output_on_another_device_names_both_devices(spawn_world):
+    for rank, r in enumerate(_run(spawn_world, "off_device")):
+        _check_failure(r, rank, "stage 1 microbatch 0 produced outputs on device meta (tensor 0 of 1) but the "
+                       "pipeline runs on cpu")
+        first = r[1].splitlines()[0]
+        assert first.startswith("rank 1 failed in stage 1 at action 1F0" if rank == 1 else
+                                "aborted because rank 1 failed in stage 1 at action 1F0"), first
 
 
 def test_dead_peer_fails_survivors_in_bounded_time(spawn_world):
