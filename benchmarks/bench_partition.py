@@ -48,6 +48,7 @@ from zbpipe import _C
 from zbpipe.bench.emulated import EmulatedBlock
 from zbpipe.partition import DEFAULT_SCHEDULES, UnitCost, _programs, _search, unit_profile
 from zbpipe.train.launcher import run_local
+from zbpipe.train.metrics import SavedActivationMeter
 
 # ---- planning time ----------------------------------------------------------------------------
 
@@ -100,17 +101,21 @@ def _timed_rounds(configs: dict, batch: tuple, steps: int) -> dict[str, float]:
     return {name: statistics.median(w) for name, w in walls.items()}
 
 
-def _runtime_peaks(plan, model, loss_fn, rank, batch) -> tuple[list[float], list[float]]:
-    """(activation peak per rank, static bytes per rank) from one probing step of the plan: the
-    stages' mem_f / mem_w as the runtime's memory probe measures them, simulated on the plan's
-    program with the plan's times."""
+def _runtime_peaks(plan, model, loss_fn, rank, batch) -> tuple[list[float], list[float], list[float]]:
+    """(activation peak per rank, static bytes per rank, held peak per rank) from one probing
+    step of the plan: the stages' mem_f / mem_w as the runtime's memory probe measures them,
+    simulated on the plan's program with the plan's times; and the bytes autograd held at once
+    in the stages' module forwards (zbpipe.train.metrics.SavedActivationMeter: a pack hook
+    per saved tensor, released when autograd frees it; the loss's saved tensors not included)."""
     program = plan.program()
-    sched, _ = _pipeline(model, plan.module_fqns_per_stage, program, loss_fn, rank)
+    sched, modules = _pipeline(model, plan.module_fqns_per_stage, program, loss_fn, rank)
+    meter = SavedActivationMeter(modules)
     sched.measure_memory = True
     sched.step(batch[0], target=batch[1])
     every = [None] * dist.get_world_size()
-    dist.all_gather_object(every, sched.memory_profile())
-    measured = {s: v for m in every for s, v in m.items()}
+    dist.all_gather_object(every, (sched.memory_profile(), meter.peak))
+    held = [float(p) for _, p in every]
+    measured = {s: v for m, _ in every for s, v in m.items()}
     costs = plan.stage_costs()
     costs["mem_f"] = [max(float(measured[s]["mem_f"]), 1.0) for s in range(program.num_stages)]
     costs["mem_w"] = [min(float(measured[s]["mem_w"]), costs["mem_f"][s]) for s in range(program.num_stages)]
@@ -118,7 +123,7 @@ def _runtime_peaks(plan, model, loss_fn, rank, batch) -> tuple[list[float], list
     static = [0.0] * program.pp
     for s, (lo, hi) in enumerate(zip(plan.bounds, plan.bounds[1:])):
         static[program.stage_to_rank[s]] += sum(u.static_bytes for u in plan.units[lo:hi])
-    return act, static
+    return act, static, held
 
 
 def _brute_force(plan, pp, microbatches):
@@ -139,7 +144,7 @@ def _brute_force(plan, pp, microbatches):
     return best, count
 
 
-def _report_memory(plan, act, static):
+def _report_memory(plan, act, static, held):
     mib = 1024.0 ** 2
     planned_act = [p - s for p, s in zip(plan.peak_bytes, static)]
     total = [a + s for a, s in zip(act, static)]
@@ -148,6 +153,8 @@ def _report_memory(plan, act, static):
           "; runtime-measured " + ", ".join(f"{t / mib:.2f}" for t in total) +
           f" (activations planned {', '.join(f'{a / mib:.2f}' for a in planned_act)}, measured "
           f"{', '.join(f'{a / mib:.2f}' for a in act)}); worst gap {worst * 100:.1f}% (goal <= 10%)")
+    print("activations held at once in the module forwards (SavedActivationMeter, loss excluded): " +
+          ", ".join(f"{h / mib:.2f}" for h in held) + " MiB per rank")
 
 
 # ---- emulated ---------------------------------------------------------------------------------
@@ -200,9 +207,9 @@ def _emulated_rank(rank, size, microbatches, steps):
     if b_fqns != plan.module_fqns_per_stage or b_schedule != plan.schedule:
         configs["brute"] = _pipeline(model, b_fqns, b_program, _sum_loss, rank)
     measured = _timed_rounds(configs, (x, y), steps)
-    act, static = _runtime_peaks(plan, model, _sum_loss, rank, (x, y))
+    act, static, held = _runtime_peaks(plan, model, _sum_loss, rank, (x, y))
     return dict(plan=plan, plan_s=plan_s, brute=(b_step, b_schedule, b_bounds, b_count, b_took),
-                measured=measured, act=act, static=static)
+                measured=measured, act=act, static=static, held=held)
 
 
 def emulated(steps: int) -> dict:
@@ -225,7 +232,7 @@ def emulated(steps: int) -> dict:
     print(f"plan / even measured: {meas['plan'] / meas['even']:.3f} (goal <= 0.80); plan / brute-force best: "
           f"measured {meas['plan'] / brute_real:.3f}, plan's simulated over brute force's "
           f"{plan.predicted_step_s / b_step:.4f} (goal <= 1.03)")
-    _report_memory(plan, res["act"], res["static"])
+    _report_memory(plan, res["act"], res["static"], res["held"])
     return res
 
 
@@ -312,7 +319,9 @@ def _llama_rank(rank, size, microbatches, steps):
         gap, count = _grad_gap(modules, ref)
         checks[name] = (loss, gap, count)
     measured = _timed_rounds(configs, (x, y), steps)
-    return dict(plan=plan, measured=measured, checks=checks, ref_loss=ref_loss.item())
+    act, static, held = _runtime_peaks(plan, model, lm_loss, rank, (x, y))
+    return dict(plan=plan, measured=measured, checks=checks, ref_loss=ref_loss.item(), act=act, static=static,
+                held=held)
 
 
 def llama(steps: int) -> dict | None:
@@ -336,6 +345,7 @@ def llama(steps: int) -> dict | None:
         count = sum(r["checks"][name][2] for r in every)
         print(f"{name}: loss {losses[0]:.6f} vs one process {res['ref_loss']:.6f}; {count} gradients, "
               f"largest difference {gap:.2e}")
+    _report_memory(plan, res["act"], res["static"], res["held"])
     return res
 
 

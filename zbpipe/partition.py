@@ -99,6 +99,16 @@ class PartitionPlan:
     def program(self) -> _C.Program:
         return _compile(self.schedule, self.pp, self.microbatches, self.num_stages // self.pp)
 
+    def torchtitan_config(self) -> dict:
+        """torchtitan's [parallelism] fields for this plan: its degree, its schedule by class
+        name (torchtitan's pipeline_parallel_schedule, e.g. "ZBVZeroBubble"), and the split as
+        module_fqns_per_model_part."""
+        from .schedules import get_schedule_class
+
+        return {"pipeline_parallel_degree": self.pp,
+                "pipeline_parallel_schedule": get_schedule_class(self.schedule).__name__.removeprefix("Schedule"),
+                "module_fqns_per_model_part": [list(names) for names in self.module_fqns_per_stage]}
+
     def stage_costs(self, bounds: Sequence[int] | None = None) -> dict:
         """Per-stage f, b (I), w, b_full, mem_f, mem_w of a split (the plan's by default), as
         zbpipe.simulate takes them (and zb_auto / v_half / v_min's compile)."""

@@ -142,16 +142,27 @@ def test_default_units_run_in_forward_order_and_measures_leave_the_model_alone()
     model = build_model(CFG, seed=0)
     x, y = _batch()
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    rng = torch.get_rng_state()
     plan = zbpipe.plan_partition(model, (x,), pp=2, microbatches=4, loss_fn=lm_loss, mb_target=y,
                                  schedules=["1f1b", "zb_h1"], measure_steps=1)
     assert [u.fqn for u in plan.units] == ["tok_embeddings", *[f"layers.{k}" for k in range(4)], "norm", "output"]
     assert [n for names in plan.module_fqns_per_stage for n in names] == [u.fqn for u in plan.units]
     assert all(p.grad is None for p in model.parameters())
+    assert torch.equal(torch.get_rng_state(), rng)
     assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
     head = plan.units[-1]
     assert head.param_bytes == sum(p.numel() * 4 for p in model.output.parameters())
     assert head.static_bytes == 4 * head.param_bytes  # parameters, gradients, Adam's two states
     assert head.mem_f > 0 and 0 <= head.mem_w <= head.mem_f and head.f > 0 and head.i > 0 and head.w > 0
+
+
+def test_the_plan_in_torchtitans_config_names_its_schedule_class():
+    units = _units(8, 6)
+    plan = _search(units, _programs(["zbv", "1f1b"], 2, 4, 8)[0], [], 2, 4, None, 0.0, 50_000)
+    cfg = plan.torchtitan_config()
+    assert cfg["module_fqns_per_model_part"] == plan.module_fqns_per_stage
+    assert cfg["pipeline_parallel_degree"] == 2
+    assert zbpipe.get_schedule_class(cfg["pipeline_parallel_schedule"]) is zbpipe.get_schedule_class(plan.schedule)
 
 
 class _NoSkip(nn.Module):
@@ -178,6 +189,23 @@ def test_bad_units_and_pp_name_the_culprit(units, pp, match):
     with pytest.raises(ValueError, match=match):
         zbpipe.plan_partition(_NoSkip(), (torch.randn(2, 4),), pp=pp, microbatches=2, units=units,
                               loss_fn=lambda o, t: o.sum())
+
+
+def test_a_unit_inside_another_is_named():
+    model = nn.Sequential(nn.Sequential(nn.Linear(2, 2)), nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="unit '0.0' is inside unit '0'"):
+        zbpipe.plan_partition(model, (torch.randn(2, 2),), pp=1, microbatches=1, units=["0", "0.0", "1"],
+                              loss_fn=lambda o, t: o.sum())
+
+
+def test_zbpipe_train_trains_the_planned_split(capsys):
+    from zbpipe.train.main import main
+
+    rc = main(["--pp", "2", "--schedule", "zb_h1", "--partition", "auto", "--steps", "2", "--layers", "4",
+               "--batch-size", "8", "--microbatches", "2", "--timeout", "120"])
+    out = capsys.readouterr().out
+    assert rc == 0 and "MATCH" in out
+    assert "plan_partition: pp=2, 2 microbatches, 4 units" in out and "schedule zb_h1" in out
 
 
 def test_units_kept_together_are_one_unit():
