@@ -21,7 +21,7 @@ emulated  pp=4 Gloo ranks (spawned, one thread each), 16 microbatches, a model o
           (measure_memory) gives each stage's mem_f / mem_w as the runtime measures them; the
           plan's schedule simulated with them gives each rank's activation peak, to which the
           static bytes are added: goal within 10% of the plan's peak_bytes.
-llama     pp=2, a transformers LlamaForCausalLM (32k vocab, d=256, 8 layers, GQA 4/2 heads,
+llama     pp=2, a transformers LlamaForCausalLM (32k vocab, d=256, 12 layers, GQA 4/2 heads,
           sequence 64, 4 microbatches of 1 sequence), its modules run by a forward that skips
           removed units (the embedding, decoder layers, norm and lm_head of the HF model, its
           rotary embedding on every stage). Plan against even split as above (goal: plan
@@ -238,7 +238,7 @@ def emulated(steps: int) -> dict:
 
 # ---- transformers Llama -----------------------------------------------------------------------
 
-VOCAB, D, LAYERS, SEQ = 32000, 256, 8, 64
+VOCAB, D, LAYERS, SEQ = 32000, 256, 12, 64
 
 
 class PipelinedLlama(nn.Module):

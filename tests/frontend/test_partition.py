@@ -257,3 +257,68 @@ def test_two_ranks_reach_one_plan_and_train_exactly(spawn_world):
         _plan_and_train, timeout_s=180)
     assert (a_split, a_sched, a_step) == (b_split, b_sched, b_step)
     assert "with only unit 'emb' kept" in a_err and "with only unit 'emb' kept" in b_err
+
+
+# ---- a transformers LlamaForCausalLM --------------------------------------------------------
+
+class _Llama(nn.Module):
+    """A LlamaForCausalLM's own modules under a forward that skips what a stage lacks (its rotary
+    embedding, which has no parameters, runs on every stage, held outside the module tree)."""
+
+    def __init__(self, hf):
+        super().__init__()
+        self.embed_tokens, self.layers, self.norm, self.lm_head = (hf.model.embed_tokens, hf.model.layers,
+                                                                   hf.model.norm, hf.lm_head)
+        self._rotary = [hf.model.rotary_emb]
+
+    def forward(self, x):
+        x = self.embed_tokens(x) if self.embed_tokens is not None else x
+        pos = torch.arange(x.shape[1]).unsqueeze(0)
+        pe = self._rotary[0](x, position_ids=pos)
+        for layer in self.layers if self.layers is not None else []:
+            x = layer(x, attention_mask=None, position_ids=pos, position_embeddings=pe)
+        x = self.norm(x) if self.norm is not None else x
+        return self.lm_head(x) if self.lm_head is not None else x
+
+
+def _hf_llama():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    return LlamaForCausalLM(LlamaConfig(vocab_size=2000, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16,
+                                        attn_implementation="sdpa", tie_word_embeddings=False))
+
+
+def _llama_rank(rank, size):
+    hf = _hf_llama()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randint(2000, (4, 16), generator=g), torch.randint(2000, (4, 16), generator=g)
+    model = _Llama(hf)
+    plan = zbpipe.plan_partition(model, (x[:1],), pp=size, microbatches=4, loss_fn=lm_loss, mb_target=y[:1],
+                                 schedules=["1f1b", "zb_h1"], measure_steps=1)
+    modules = zbpipe.split_by_fqn(model, plan.module_fqns_per_stage)
+    program = plan.program()
+    mine = [s for s, r in enumerate(program.stage_to_rank) if r == rank]
+    stages = [zbpipe.PipelineStage(modules[s], s, program.num_stages, torch.device("cpu")) for s in mine]
+    losses = []
+    zbpipe.PipelineSchedule.from_program(stages, program, lm_loss).step(x, target=y, losses=losses)
+    ref = _hf_llama()
+    ref_loss = lm_loss(ref(x).logits, y)
+    ref_loss.backward()
+    theirs = dict(ref.named_parameters())
+    for s in mine:  # the HF model's names: model.<name> for all but lm_head
+        named = dict(modules[s].named_parameters())
+        assert_grads_close(named, {n: theirs[n if n.startswith("lm_head") else f"model.{n}"] for n in named},
+                           f"stage {s}")
+    if program.stage_to_rank[-1] == rank:
+        assert_close(torch.stack(losses).mean(), ref_loss.detach())
+    return [u.fqn for u in plan.units], plan.module_fqns_per_stage
+
+
+def test_a_transformers_llama_plan_trains_like_one_process(spawn_world):
+    pytest.importorskip("transformers", reason="transformers is not installed (pip install --no-deps transformers "
+                                               "tokenizers huggingface_hub safetensors)")
+    (units, a), (_, b) = spawn_world(2).run(_llama_rank, timeout_s=240)
+    assert a == b
+    assert units == ["embed_tokens", "layers.0", "layers.1", "layers.2", "norm", "lm_head"]
