@@ -123,6 +123,11 @@ class PartitionPlan:
             mem_f = max(sum(u.mem_f for u in us), 1.0)
             out["mem_f"].append(mem_f)
             out["mem_w"].append(min(sum(u.mem_w for u in us), mem_f))
+        # The first stage's input needs no gradient: its I is empty and W does the whole
+        # backward, holding everything until it ends (as the core scores it: partition.cpp).
+        out["w"][0] += out["b"][0]
+        out["b"][0] = 0.0
+        out["mem_w"][0] = out["mem_f"][0]
         return out
 
     def table(self) -> str:

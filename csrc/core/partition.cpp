@@ -69,6 +69,12 @@ class ProgramSearch {
       memory.mem_w[s] = std::min(Prefix::sum(pre_.mem_w, lo, hi), memory.mem_f[s]);
       stat[p_.rank_of(s)] += Prefix::sum(pre_.stat, lo, hi);
     }
+    // [Note: first stage's I] The first stage's input is the microbatch, which needs no
+    // gradient: its I computes nothing, and W carries the whole backward, keeping every saved
+    // tensor until it ends (the executor's trace: I ~0, W ~ the units' I + W).
+    costs.w[0] += costs.b[0];
+    costs.b[0] = 0.0;
+    memory.mem_w[0] = memory.mem_f[0];
     costs.comm = o_.comm;
     const SimResult res = simulate(p_, costs, memory, /*with_timeline=*/false);
     SplitScore out;

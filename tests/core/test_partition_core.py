@@ -1,5 +1,6 @@
 """The core's partition planner (csrc/core/partition.cpp) on its own: even bounds, one split
-scored (stage sums, static bytes on the rank that holds each stage), bad input refused."""
+scored (stage sums, the first stage's backward all in W, static bytes on the rank that holds
+each stage), bad input refused."""
 
 from __future__ import annotations
 
@@ -28,8 +29,9 @@ def test_a_split_scores_as_the_simulator_on_summed_stages():
     f = [1.0, 2.0, 3.0, 4.0, 5.0, 6.0]
     units = _units(6, static=[0, 0, 0, 0, 0, 100.0], f=f)
     score = _C.score_split(prog, units, [0, 1, 3, 4, 6])
-    res = zbpipe.simulate(prog, f=[1.0, 5.0, 4.0, 11.0], b=[1, 2, 1, 2], w=[1, 2, 1, 2],
-                          mem_f=[1, 2, 1, 2], mem_w=[0.5, 1, 0.5, 1])
+    # stage 0 takes the microbatch, which needs no gradient: no I there, W does it all
+    res = zbpipe.simulate(prog, f=[1.0, 5.0, 4.0, 11.0], b=[0, 2, 1, 2], w=[2, 2, 1, 2],
+                          mem_f=[1, 2, 1, 2], mem_w=[1, 1, 0.5, 1])
     assert score.makespan == pytest.approx(res.makespan)
     # zbv puts stage 3 (which holds the last unit's static bytes) on rank 0, with stage 0
     assert prog.stage_to_rank[3] == 0

@@ -39,9 +39,13 @@ def _brute_force(units, programs, budget):
             bounds = [0, *cuts, len(units)]
             groups = [units[lo:hi] for lo, hi in zip(bounds, bounds[1:])]
             mem_f = [sum(u.mem_f for u in g) for g in groups]
-            res = zbpipe.simulate(prog, f=[sum(u.f for u in g) for g in groups], b=[sum(u.i for u in g) for g in groups],
-                                  w=[sum(u.w for u in g) for g in groups], b_full=[sum(u.b for u in g) for g in groups],
-                                  mem_f=mem_f, mem_w=[sum(u.mem_w for u in g) for g in groups])
+            b = [sum(u.i for u in g) for g in groups]
+            w = [sum(u.w for u in g) for g in groups]
+            mem_w = [sum(u.mem_w for u in g) for g in groups]
+            # the first stage's input needs no gradient: no I there, W does its whole backward
+            w[0], b[0], mem_w[0] = w[0] + b[0], 0.0, mem_f[0]
+            res = zbpipe.simulate(prog, f=[sum(u.f for u in g) for g in groups], b=b, w=w,
+                                  b_full=[sum(u.b for u in g) for g in groups], mem_f=mem_f, mem_w=mem_w)
             peak = list(res.peak_memory)
             for s, g in enumerate(groups):
                 peak[prog.stage_to_rank[s]] += sum(u.static_bytes for u in g)

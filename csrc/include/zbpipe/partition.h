@@ -5,7 +5,9 @@
 // A split is `bounds`: num_stages + 1 unit indices 0 = b0 < b1 < ... < bS = units; stage s
 // holds units [b_s, b_{s+1}). A stage's costs are the sums of its units' (f, i, w, fused b) and
 // its memory the sums of their saved bytes (mem_f, mem_w; the runtime's probe counts a
-// stage's received inputs as a unit's own saved tensors, so the sums hold). A rank's peak is
+// stage's received inputs as a unit's own saved tensors, so the sums hold), but for the first
+// stage, whose input needs no gradient: its I is 0, its W the units' I + W, and its mem_w its
+// mem_f ([Note: first stage's I] in partition.cpp). A rank's peak is
 // the simulated activation peak (memory_model.h) plus the static bytes (parameters, gradients,
 // optimizer state) of its stages.
 #pragma once
