@@ -250,7 +250,8 @@ def _one_process_group() -> dist.ProcessGroup:
     return pg
 
 
-def _static_bytes(model: nn.Module, groups: list[tuple[str, ...]], optimizer_states: float) -> list[tuple[float, float]]:
+def _static_bytes(model: nn.Module, groups: list[tuple[str, ...]],
+                  optimizer_states: float) -> list[tuple[float, float]]:
     """(parameter bytes, static bytes) per unit; a parameter shared by two units counts in the first."""
     modules = dict(model.named_modules())
     seen: set[int] = set()
@@ -367,7 +368,7 @@ def _programs(schedules, pp: int, microbatches: int, units: int) -> tuple[list, 
 
 
 def plan_partition(model: nn.Module, mb_args, *, pp: int, microbatches: int, loss_fn: Callable,
-                   mb_target=None, mb_kwargs: dict | None = None, units: Sequence[str] | None = None,
+                   mb_target=None, mb_kwargs: dict | None = None, units: Sequence[str | Sequence[str]] | None = None,
                    schedules: Sequence[str] | None = None, memory_budget: float | None = None,
                    device: torch.device | str | None = None, group=None, comm_s: float = 0.0,
                    optimizer_states: float = 2.0, measure_steps: int = 3,
@@ -377,9 +378,10 @@ def plan_partition(model: nn.Module, mb_args, *, pp: int, microbatches: int, los
 
     mb_args / mb_kwargs / mb_target: one microbatch (a tuple of positional arguments or one
     tensor, keyword arguments of every stage, the loss_fn's target). units: module FQNs in the
-    order they run, a list of FQNs for modules that must stay in one stage (default: the model's direct children, ModuleList / ModuleDict / Sequential
-    expanded one level, in the order one forward calls them). schedules: candidate fixed
-    schedules (default DEFAULT_SCHEDULES; pp stages for one per rank, 2pp for V and looped).
+    order they run, a list of FQNs for modules that must stay in one stage (default: the
+    model's direct children, ModuleList / ModuleDict / Sequential expanded one level, in the
+    order one forward calls them). schedules: candidate fixed schedules (default
+    DEFAULT_SCHEDULES; pp stages for one per rank, 2pp for V and looped).
     memory_budget: bytes per rank (activations by the memory model, plus parameters, gradients,
     `optimizer_states` parameter-sized optimizer states (2: Adam) and buffers of its stages).
     device: where the units are measured (default: where the model's parameters are; the model

@@ -14,7 +14,6 @@ from helpers.asserts import assert_close, assert_grads_close
 from torch import nn
 
 import zbpipe
-from zbpipe import _C
 from zbpipe.partition import UnitCost, _programs, _search
 from zbpipe.train.model import Block, TinyConfig, lm_loss
 
