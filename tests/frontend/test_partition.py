@@ -14,7 +14,8 @@ from helpers.asserts import assert_close, assert_grads_close
 from torch import nn
 
 import zbpipe
-from zbpipe.partition import UnitCost, _programs, _search
+from zbpipe import _C
+from zbpipe.partition import UnitCost, _programs, _search, unit_profile
 from zbpipe.train.model import Block, TinyConfig, lm_loss
 
 
@@ -62,6 +63,9 @@ def test_the_search_equals_brute_force(n, pp, m, seed):
     plan = _search(units, programs, [], pp, m, None, 0.0, 50_000)
     assert plan.exact
     assert plan.predicted_step_s == pytest.approx(best, rel=1e-9)
+    # The enumeration alone (no local search to give it a good incumbent) finds it too.
+    alone = _C.plan_partition(programs, unit_profile(units), local_search_evals=0)
+    assert alone.best.makespan == pytest.approx(best, rel=1e-9)
     # The plan's split, re-simulated through zbpipe.simulate, gives what the plan predicts.
     prog = plan.program()
     res = zbpipe.simulate(prog, **plan.stage_costs())
