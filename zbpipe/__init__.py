@@ -9,6 +9,7 @@ import torch  # noqa: F401  (must load before _C: _C links against torch's libra
 from ._C import Action, Kind, PipelineError, Program, ScheduleError, SimResult, SpanBound  # noqa: E402
 from .clipping import clip_grad_norm_  # noqa: E402
 from .module_split import split_by_fqn  # noqa: E402
+from .partition import PartitionPlan, plan_partition  # noqa: E402
 from .programs import (  # noqa: E402
     compile,
     lower_bound,
@@ -44,6 +45,7 @@ from .stage_costs import profile_from_trace  # noqa: E402
 __all__ = [
     "Action",
     "Kind",
+    "PartitionPlan",
     "Pipe",
     "PipeInfo",
     "PipelineContext",
@@ -78,6 +80,7 @@ __all__ = [
     "lower_bound",
     "pipe_split",
     "pipeline",
+    "plan_partition",
     "profile_from_trace",
     "refine",
     "schedule_names",

@@ -13,6 +13,7 @@
 #include "python/py_backward.h"
 #include "python/py_core.h"
 #include "python/py_executor.h"
+#include "python/py_partition.h"
 #include "zbpipe/builders.h"
 #include "zbpipe/compile.h"
 #include "zbpipe/csv_format.h"
@@ -245,4 +246,5 @@ PYBIND11_MODULE(_C, m) {
   register_simulator(m);
   register_runtime(m);
   register_backward(m);
+  register_partition(m);
 }

@@ -80,6 +80,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="clip gradients by the whole model's norm (zbpipe.clip_grad_norm_; default: off)")
     p.add_argument("--checkpoint", metavar="DIR", default=None,
                    help="save model, optimizer and data position to DIR/step-<steps> at the end (DCP)")
+    p.add_argument("--partition", default="even", choices=("even", "auto"),
+                   help="the split into stages: even blocks per stage, or planned by zbpipe.plan_partition "
+                   "from measured per-block costs (docs/partition.md)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint DIR, at any --pp/--dp/--schedule, "
                    "up to --steps in all")
@@ -130,7 +133,10 @@ def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     num_stages = program.num_stages
     cfg = _config(opts, num_stages)
     task = MarkovTask(cfg.vocab, cfg.seq_len, opts["seed"])
-    modules = build_stages(cfg, num_stages, opts["seed"])
+    if opts.get("stage_fqns"):  # --partition auto: the plan's split
+        modules = zbpipe.split_by_fqn(build_model(cfg, opts["seed"]), opts["stage_fqns"])
+    else:
+        modules = build_stages(cfg, num_stages, opts["seed"])
     local = local_stages(program, rank % pp)
     mine = [modules[s].to(device) for s in local]
     optims = _stage_optimizers(opts, mine)
@@ -267,6 +273,11 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> zbpipe.Pro
                 f"found {torch.cuda.device_count()}")
     if a.layers is not None and a.layers < program.num_stages:
         p.error(f"--layers ({a.layers}) must be >= the number of stages ({program.num_stages})")
+    if a.partition == "auto" and a.schedule == "auto":
+        p.error("--partition auto plans the split for one schedule: pick a --schedule")
+    if a.partition == "auto" and a.stages_per_rank not in (None, program.num_stages // a.pp) \
+            or a.partition == "auto" and program.num_stages // a.pp > 2:
+        p.error("--partition auto plans one or two stages per rank (the schedule's default --stages-per-rank)")
     if a.max_norm is not None and not a.max_norm > 0:
         p.error(f"--max-norm ({a.max_norm}) must be > 0")
     a.resume_from = None
@@ -285,6 +296,28 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> zbpipe.Pro
     return program
 
 
+def _planned_split(a: argparse.Namespace, cfg: TinyConfig, task: MarkovTask,
+                   program: zbpipe.Program) -> list[list[str]]:
+    """--partition auto: the plan for the chosen schedule, measured here on one microbatch of
+    the first batch (on the CPU) before any rank starts, so every rank gets the same split.
+    TinyTransformer's forward needs a block in every stage and the embeddings (and the final
+    norm and head) together, so the embeddings ride with the first block and the head with the
+    last: units are [tok_emb, pos_emb, blocks.0], blocks.1 .. blocks.(n-2), [blocks.(n-1), ln_f, head]."""
+    n = cfg.n_layers
+    units: list = [["tok_emb", "pos_emb", "blocks.0"]] + [f"blocks.{k}" for k in range(1, n - 1)]
+    units += [[f"blocks.{n - 1}", "ln_f", "head"]] if n > 1 else []
+    if n == 1:
+        units = [["tok_emb", "pos_emb", "blocks.0", "ln_f", "head"]]
+    x, y = task.batch(0, a.batch_size)
+    mb = a.batch_size // (a.microbatches * a.dp)
+    torch.set_num_threads(1)  # as each rank runs
+    plan = zbpipe.plan_partition(build_model(cfg, a.seed), (x[:mb],), pp=a.pp, microbatches=a.microbatches,
+                                 loss_fn=lm_loss, mb_target=y[:mb], units=units, schedules=[program.schedule],
+                                 device="cpu")
+    print(plan.table(), flush=True)
+    return plan.module_fqns_per_stage
+
+
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
@@ -301,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
           f"seq={cfg.seq_len}; task: 2nd-order Markov chain, loss floor ~{task.entropy_floor():.3f} "
           f"nats (uniform {math.log(cfg.vocab):.3f}); optimizer {a.optimizer} lr={a.lr}", flush=True)
     opts["peak_flops"], opts["peak_source"] = peak_flops(a.device)
+    if a.partition == "auto":
+        opts["stage_fqns"] = _planned_split(a, cfg, task, program)
     if a.resume_from:
         print(f"resuming from {a.resume_from}", flush=True)
     t0 = time.perf_counter()

@@ -1,0 +1,457 @@
+"""plan_partition: the split of a model into pipeline stages, planned jointly with the schedule
+from per-unit costs and bytes the runtime measures, under a per-rank memory budget.
+
+    plan = zbpipe.plan_partition(model, (x,), pp=4, microbatches=16, loss_fn=loss_fn, mb_target=y)
+    print(plan.table())
+    modules = zbpipe.split_by_fqn(model, plan.module_fqns_per_stage)   # one per stage
+    program = plan.program()                                           # zbpipe.compile(plan.schedule, ...)
+
+Measuring: the units run as the stages of a one-process pipeline (each unit alone in a stage,
+the rest of the model removed as split_by_fqn removes it, parameters shared with `model`) on one
+microbatch: a probing step of interleaved_zb gives every unit's saved bytes (the memory probe,
+mem_f / mem_w), timing steps give F, I and W (the executor's trace), steps of looped_bfs the
+fused B. So a unit costs what it costs inside a stage, and a forward that cannot run with units
+removed fails here, naming the unit, before anything else runs. The search (the core's
+csrc/core/partition.cpp) scores contiguous splits with the simulator on every candidate program.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import re
+import statistics
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from . import _C
+from .module_split import _prune
+from .programs import compile as _compile
+from .schedules import PipelineSchedule
+from .stage import PipelineStage
+from .stage_costs import profile_from_trace
+
+# The fixed training schedules by placement; the stage count is pp (one per rank) or 2pp.
+ONE_PER_RANK = ("gpipe", "1f1b", "zb_h1", "zb_h2")
+TWO_PER_RANK = ("zbv", "dualpipev", "looped_bfs", "interleaved_1f1b", "interleaved_zb")
+DEFAULT_SCHEDULES = ONE_PER_RANK + TWO_PER_RANK
+_COST_DRIVEN = ("zb_auto", "v_half", "v_min")
+_STAGE_OF_FAILURE = re.compile(r"failed in stage (\d+)")
+
+
+@dataclasses.dataclass
+class UnitCost:
+    """One unit as measured: seconds per microbatch (f, i, w, fused b) and bytes (mem_f saved by
+    its forward, mem_w of those held from I to W, static: parameters + gradients + optimizer
+    state + buffers)."""
+    fqn: str  # the unit's name: its module's FQN, or FQNs joined by '+' for a group
+    f: float
+    i: float
+    w: float
+    b: float
+    mem_f: float
+    mem_w: float
+    param_bytes: float
+    static_bytes: float
+    modules: tuple[str, ...] = ()  # the module FQNs it keeps (default: fqn alone)
+
+    @property
+    def fqns(self) -> list[str]:
+        return list(self.modules) if self.modules else [self.fqn]
+
+
+@dataclasses.dataclass
+class PartitionPlan:
+    """What plan_partition chose. module_fqns_per_stage feeds zbpipe.split_by_fqn and
+    torchtitan's module_fqns_per_model_part unchanged; program() is the schedule it was planned
+    with. peak_bytes: per rank, the simulated activation peak plus the static bytes of its
+    stages. even_*: the even split (units / stages each) on the same schedule."""
+    module_fqns_per_stage: list[list[str]]
+    schedule: str
+    predicted_step_s: float
+    peak_bytes: list[float]
+    units: list[UnitCost]
+    pp: int
+    microbatches: int
+    bounds: list[int]
+    even_bounds: list[int]
+    even_step_s: float
+    even_peak_bytes: list[float]
+    candidates: list[tuple[str, float | None, float | None]]  # (schedule, best predicted s, its max peak)
+    exact: bool
+    simulated: int
+    memory_budget: float | None
+    bounding_unit: str | None  # a unit whose own work exceeds a rank's balanced share
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.module_fqns_per_stage)
+
+    @property
+    def even_module_fqns_per_stage(self) -> list[list[str]]:
+        return _stages_of(self.units, self.even_bounds)
+
+    def program(self) -> _C.Program:
+        return _compile(self.schedule, self.pp, self.microbatches, self.num_stages // self.pp)
+
+    def torchtitan_config(self) -> dict:
+        """torchtitan's [parallelism] fields for this plan: its degree, its schedule by class
+        name (torchtitan's pipeline_parallel_schedule, e.g. "ZBVZeroBubble"), and the split as
+        module_fqns_per_model_part."""
+        from .schedules import get_schedule_class
+
+        return {"pipeline_parallel_degree": self.pp,
+                "pipeline_parallel_schedule": get_schedule_class(self.schedule).__name__.removeprefix("Schedule"),
+                "module_fqns_per_model_part": [list(names) for names in self.module_fqns_per_stage]}
+
+    def stage_costs(self, bounds: Sequence[int] | None = None) -> dict:
+        """Per-stage f, b (I), w, b_full, mem_f, mem_w of a split (the plan's by default), as
+        zbpipe.simulate takes them (and zb_auto / v_half / v_min's compile)."""
+        bounds = self.bounds if bounds is None else list(bounds)
+        out: dict[str, list[float]] = {k: [] for k in ("f", "b", "w", "b_full", "mem_f", "mem_w")}
+        for lo, hi in zip(bounds, bounds[1:]):
+            us = self.units[lo:hi]
+            out["f"].append(sum(u.f for u in us))
+            out["b"].append(sum(u.i for u in us))
+            out["w"].append(sum(u.w for u in us))
+            out["b_full"].append(sum(u.b for u in us))
+            mem_f = max(sum(u.mem_f for u in us), 1.0)
+            out["mem_f"].append(mem_f)
+            out["mem_w"].append(min(sum(u.mem_w for u in us), mem_f))
+        # The first stage's input needs no gradient: its I is empty and W does the whole
+        # backward, holding everything until it ends (as the core scores it: partition.cpp).
+        out["w"][0] += out["b"][0]
+        out["b"][0] = 0.0
+        out["mem_w"][0] = out["mem_f"][0]
+        return out
+
+    def table(self) -> str:
+        mib = 1024.0 ** 2
+        peaks = lambda v: "[" + ", ".join(f"{p / mib:.1f}" for p in v) + "]"  # noqa: E731
+        budget = "none" if self.memory_budget is None else f"{self.memory_budget / mib:.1f} MiB/rank"
+        search = "exact (every split enumerated)" if self.exact else "local search (too many splits to enumerate)"
+        lines = [f"plan_partition: pp={self.pp}, {self.microbatches} microbatches, {len(self.units)} units, "
+                 f"budget {budget}; {search}, {self.simulated} simulations",
+                 f"schedule {self.schedule}: predicted step {self.predicted_step_s * 1e3:.3f} ms, even split "
+                 f"{self.even_step_s * 1e3:.3f} ms ({self.predicted_step_s / self.even_step_s:.2f}x)",
+                 f"peak MiB per rank: plan {peaks(self.peak_bytes)}, even {peaks(self.even_peak_bytes)}",
+                 f"{'stage':>5} {'plan units':<34} {'F+I+W ms':>9} | {'even units':<34} {'F+I+W ms':>9}"]
+        for s in range(self.num_stages):
+            cols = []
+            for bounds in (self.bounds, self.even_bounds):
+                us = self.units[bounds[s]:bounds[s + 1]]
+                names = us[0].fqn if len(us) == 1 else f"{us[0].fqn} .. {us[-1].fqn} ({len(us)})"
+                cols.append(f"{names:<34} {sum(u.f + u.i + u.w for u in us) * 1e3:9.3f}")
+            lines.append(f"{s:>5} {cols[0]} | {cols[1]}")
+        lines.append(f"{'candidate':<17} {'predicted ms':>12} {'peak MiB':>9}")
+        for name, step, peak in self.candidates:
+            p = f"{step * 1e3:12.3f}" if step is not None else f"{'-':>12}"
+            m = f"{peak / mib:9.1f}" if peak is not None else f"{'-':>9}"
+            lines.append(f"{name:<17} {p} {m}{' <- chosen' if name == self.schedule else ''}")
+        lines.append(f"{'unit':<24} {'F ms':>8} {'I ms':>8} {'W ms':>8} {'B ms':>8} {'mem_f MiB':>9} "
+                     f"{'mem_w MiB':>9} {'static MiB':>10}")
+        for u in self.units:
+            lines.append(f"{u.fqn:<24} {u.f * 1e3:8.3f} {u.i * 1e3:8.3f} {u.w * 1e3:8.3f} {u.b * 1e3:8.3f} "
+                         f"{u.mem_f / mib:9.3f} {u.mem_w / mib:9.3f} {u.static_bytes / mib:10.3f}")
+        if self.bounding_unit is not None:
+            u = next(u for u in self.units if u.fqn == self.bounding_unit)
+            share = sum(v.f + v.i + v.w for v in self.units) / self.pp
+            lines.append(f"unit '{u.fqn}' bounds the step on its own: its F+I+W ({(u.f + u.i + u.w) * 1e3:.3f} ms "
+                         f"per microbatch) exceeds a rank's balanced share ({share * 1e3:.3f} ms), so no split "
+                         "balances the ranks; splitting that unit across ranks (vocabulary parallelism for an "
+                         "LM head) is the next step")
+        return "\n".join(lines)
+
+
+def _stages_of(units: list[UnitCost], bounds: Sequence[int]) -> list[list[str]]:
+    return [[n for u in units[lo:hi] for n in u.fqns] for lo, hi in zip(bounds, bounds[1:])]
+
+
+# ---- units ----------------------------------------------------------------------------------
+
+def _default_units(model: nn.Module, mb_args: tuple, mb_kwargs: dict) -> list[str]:
+    """The model's direct children, ModuleList / ModuleDict / Sequential ones expanded one
+    level, in the order one forward calls them first (those it never calls last, in
+    definition order)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, child in model.named_children():
+        if isinstance(child, (nn.ModuleList, nn.ModuleDict, nn.Sequential)):
+            found += [(f"{name}.{n}", c) for n, c in child.named_children()]
+        else:
+            found.append((name, child))
+    called: list[str] = []
+    hooks = [mod.register_forward_pre_hook(lambda *_, n=name: called.append(n) if n not in called else None)
+             for name, mod in found]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=[]):
+            model(*mb_args, **mb_kwargs)
+    finally:
+        for h in hooks:
+            h.remove()
+    return called + [n for n, _ in found if n not in called]
+
+
+def _unit_groups(units) -> list[tuple[str, ...]]:
+    """Each unit as the tuple of module FQNs it keeps together (a str is one)."""
+    out = []
+    for u in units:
+        group = (u,) if isinstance(u, str) else tuple(u)
+        if not group or not all(isinstance(n, str) for n in group):
+            raise ValueError(f"plan_partition: a unit is a module name or a non-empty list of them, got {u!r}")
+        out.append(group)
+    return out
+
+
+def _check_units(model: nn.Module, groups: list[tuple[str, ...]]) -> None:
+    """ValueError naming the unit or parameter: a name twice, a name that is not a submodule,
+    a unit inside another, a parameter in no unit."""
+    modules = dict(model.named_modules())
+    names = [n for g in groups for n in g]
+    seen: set[str] = set()
+    for u in names:
+        if u in seen:
+            raise ValueError(f"plan_partition: units names '{u}' twice")
+        seen.add(u)
+        if u == "" or u not in modules:
+            what = ("the root module" if u == "" else
+                    "a parameter" if u in dict(model.named_parameters()) else
+                    "a buffer" if u in dict(model.named_buffers()) else "no submodule of the model")
+            raise ValueError(f"plan_partition: unit '{u}' is not a splittable module (it is {what})")
+    for u in names:
+        outer = next((v for v in names if u.startswith(v + ".")), None)
+        if outer is not None:
+            raise ValueError(f"plan_partition: unit '{u}' is inside unit '{outer}'")
+    for pname, _ in model.named_parameters():
+        if not any(pname.startswith(u + ".") for u in names):
+            raise ValueError(f"plan_partition: parameter '{pname}' is in no unit (add the module holding it, "
+                             "or move a parameter held directly by a split module into a submodule)")
+
+
+# ---- measuring --------------------------------------------------------------------------------
+
+def _unit_module(model: nn.Module, group: tuple[str, ...]) -> nn.Module:
+    """`model` keeping only the unit's modules, as split_by_fqn keeps a stage's, sharing its
+    parameters and buffers (no copy of the weights)."""
+    memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
+    return _prune(copy.deepcopy(model, memo), "", set(group))
+
+
+def _one_process_group() -> dist.ProcessGroup:
+    store = dist.HashStore()
+    pg = dist.ProcessGroup(store, 0, 1)
+    backend = dist.ProcessGroupGloo(store, 0, 1, timedelta(seconds=60))
+    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
+    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
+    return pg
+
+
+def _static_bytes(model: nn.Module, groups: list[tuple[str, ...]],
+                  optimizer_states: float) -> list[tuple[float, float]]:
+    """(parameter bytes, static bytes) per unit; a parameter shared by two units counts in the first."""
+    modules = dict(model.named_modules())
+    seen: set[int] = set()
+    out = []
+    for group in groups:
+        params = buffers = 0
+        for p in (p for u in group for p in modules[u].parameters()):
+            if id(p) not in seen:
+                seen.add(id(p))
+                params += p.numel() * p.element_size()
+        for b in (b for u in group for b in modules[u].buffers()):
+            if id(b) not in seen:
+                seen.add(id(b))
+                buffers += b.numel() * b.element_size()
+        out.append((float(params), float(params * (2 + optimizer_states) + buffers)))
+    return out
+
+
+def _measure(model, units, mb_args, mb_kwargs, mb_target, loss_fn, device, steps: int) -> list[list[float]]:
+    """Per unit [f, i, w, b, mem_f, mem_w] on one microbatch: units as the stages of a
+    one-process pipeline. ValueError naming the unit whose stage the forward cannot run."""
+    n = len(units)
+    params = list(model.parameters())
+    grads = [p.grad for p in params]
+    pg = _one_process_group()
+    stages = [PipelineStage(_unit_module(model, u), s, n, device, group=pg) for s, u in enumerate(units)]
+    split_name, fused_name = ("interleaved_zb", "looped_bfs") if n > 1 else ("zb_h1", "1f1b")
+    spr = n if n > 1 else None
+    call = dict(arg_mbs=[tuple(mb_args)], kwarg_mbs=[dict(mb_kwargs)], target_mbs=[mb_target])
+    records: list[dict] = []
+    try:
+        for p in params:
+            p.grad = None
+        with torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+            split = PipelineSchedule.from_program(stages, _compile(split_name, 1, 1, spr), loss_fn, measure_memory=True)
+            fused = PipelineSchedule.from_program(stages, _compile(fused_name, 1, 1, spr), loss_fn)
+            try:
+                split.step(**call)  # probes memory (and warms up)
+                memory = split.memory_profile()
+                split.measure_memory = False
+                fused.step(**call)  # warms up
+                for _ in range(steps):
+                    split.step(**call)
+                    records += split.trace()
+                    fused.step(**call)
+                    records += fused.trace()
+            except _C.PipelineError as e:
+                m = _STAGE_OF_FAILURE.search(str(e))
+                unit = "+".join(units[int(m.group(1))]) if m else "?"
+                raise ValueError(
+                    f"plan_partition: the model's forward does not tolerate removed units: with only unit "
+                    f"'{unit}' kept (the rest removed as split_by_fqn removes them) it fails: "
+                    f"{str(e).splitlines()[0]}. The forward must skip a None child, loop over what a list "
+                    "holds, and take the previous stage's output where its first part is gone") from e
+    finally:
+        for p, g in zip(params, grads):
+            p.grad = g
+    costs = profile_from_trace(records, clock="host")
+    out = []
+    for s in range(n):
+        c = costs[s]
+        out.append([c["f"], c["i"], c["w"], c["b"], float(memory[s]["mem_f"]), float(memory[s]["mem_w"])])
+    return out
+
+
+def _gathered(measured: list | str, group) -> list[list[float]]:
+    """Every rank's measurements (or error) gathered; the per-field median over ranks (times)
+    and maximum (bytes), identical on every rank. ValueError on every rank if one failed."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        every = [measured]
+    else:
+        group = group if group is not None else dist.group.WORLD
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, measured, group=group)
+    failed = [(r, m) for r, m in enumerate(every) if isinstance(m, str)]
+    if failed:
+        raise ValueError(failed[0][1] if len(every) == 1 else f"{failed[0][1]} (on rank {failed[0][0]})")
+    out = []
+    for u in range(len(every[0])):
+        rows = [m[u] for m in every]
+        out.append([statistics.median(r[k] for r in rows) for k in range(4)] +
+                   [max(r[k] for r in rows) for k in (4, 5)])
+    return out
+
+
+# ---- the plan ----------------------------------------------------------------------------------
+
+def _programs(schedules, pp: int, microbatches: int, units: int) -> tuple[list, list]:
+    """(compiled candidates, [(name, reason)] of those that cannot run here)."""
+    names = list(DEFAULT_SCHEDULES if schedules is None else schedules)
+    if not names:
+        raise ValueError("plan_partition: schedules is empty")
+    known = set(_C.schedule_names())
+    progs, skipped = [], []
+    for name in names:
+        if name in _COST_DRIVEN:
+            raise ValueError(f"plan_partition: '{name}' plans its own program from the stages' costs; plan the "
+                             "split with fixed schedules, then compile it with plan.stage_costs()")
+        if name not in known or name == "inference":
+            raise ValueError(f"plan_partition: '{name}' is not a training schedule (schedule_names(): "
+                             f"{sorted(known - set(_COST_DRIVEN) - {'inference'})})")
+        spr = 2 if name in TWO_PER_RANK else 1
+        if spr * pp > units:
+            skipped.append((name, f"{spr * pp} stages > {units} units"))
+            continue
+        try:
+            progs.append(_compile(name, pp, microbatches, spr))
+        except (_C.ScheduleError, ValueError) as e:
+            skipped.append((name, str(e).splitlines()[0]))
+    if not progs:
+        raise ValueError(f"plan_partition: no candidate schedule builds for pp={pp}, microbatches={microbatches}, "
+                         f"{units} units: {skipped}")
+    return progs, skipped
+
+
+def plan_partition(model: nn.Module, mb_args, *, pp: int, microbatches: int, loss_fn: Callable,
+                   mb_target=None, mb_kwargs: dict | None = None, units: Sequence[str | Sequence[str]] | None = None,
+                   schedules: Sequence[str] | None = None, memory_budget: float | None = None,
+                   device: torch.device | str | None = None, group=None, comm_s: float = 0.0,
+                   optimizer_states: float = 2.0, measure_steps: int = 3,
+                   exhaustive_limit: int = 50_000) -> PartitionPlan:
+    """The split of `model` into contiguous groups of `units` and the schedule (a compile name)
+    with the least simulated step whose peak bytes per rank fit `memory_budget`.
+
+    mb_args / mb_kwargs / mb_target: one microbatch (a tuple of positional arguments or one
+    tensor, keyword arguments of every stage, the loss_fn's target). units: module FQNs in the
+    order they run, a list of FQNs for modules that must stay in one stage (default: the
+    model's direct children, ModuleList / ModuleDict / Sequential expanded one level, in the
+    order one forward calls them). schedules: candidate fixed schedules (default
+    DEFAULT_SCHEDULES; pp stages for one per rank, 2pp for V and looped).
+    memory_budget: bytes per rank (activations by the memory model, plus parameters, gradients,
+    `optimizer_states` parameter-sized optimizer states (2: Adam) and buffers of its stages).
+    device: where the units are measured (default: where the model's parameters are; the model
+    must be there). In a process group (`group`, default the world when one is initialised)
+    every rank measures, the ranks gather and all plan from the same numbers (times: median over
+    ranks), so every rank reaches the same plan; without one it plans in this process. comm_s:
+    the cross-rank latency the simulation adds per message. Searches every split where a
+    schedule has at most `exhaustive_limit` of them, else a local search from the min-max split.
+
+    Raises ValueError, on every rank, before anything runs: a unit list that leaves a parameter
+    out, names a unit twice or names a non-module; pp larger than the number of units; a budget
+    no split fits (with the smallest peak found); a forward that fails with a unit alone in its
+    stage (naming the unit)."""
+    if not isinstance(pp, int) or pp < 1 or not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"plan_partition: pp and microbatches must be integers >= 1, got {pp!r}, {microbatches!r}")
+    if measure_steps < 1:
+        raise ValueError(f"plan_partition: measure_steps must be >= 1, got {measure_steps}")
+    mb_args = tuple(mb_args) if isinstance(mb_args, (tuple, list)) else (mb_args,)
+    mb_kwargs = dict(mb_kwargs or {})
+    if device is None:
+        first = next(model.parameters(), None)
+        device = first.device if first is not None else torch.device("cpu")
+    device = torch.device(device)
+    groups = _unit_groups(_default_units(model, mb_args, mb_kwargs) if units is None else units)
+    _check_units(model, groups)
+    units = groups
+    if pp > len(units):
+        raise ValueError(f"plan_partition: pp={pp} is larger than the number of units ({len(units)}: "
+                         f"{['+'.join(g) for g in units]}); give finer units or a smaller pp")
+    programs, skipped = _programs(schedules, pp, microbatches, len(units))
+    try:
+        measured: list | str = _measure(model, units, mb_args, mb_kwargs, mb_target, loss_fn, device, measure_steps)
+    except ValueError as e:
+        measured = str(e)
+    rows = _gathered(measured, group)
+    static = _static_bytes(model, units, optimizer_states)
+    costs = [UnitCost("+".join(g), *(float(v) for v in row[:4]), row[4], row[5], *static[k], modules=g)
+             for k, (g, row) in enumerate(zip(units, rows))]
+    return _search(costs, programs, skipped, pp, microbatches, memory_budget, comm_s, exhaustive_limit)
+
+
+def unit_profile(units: Sequence[UnitCost]) -> _C.UnitProfile:
+    return _C.UnitProfile([u.f for u in units], [u.i for u in units], [u.w for u in units], [u.b for u in units],
+                          [u.mem_f for u in units], [u.mem_w for u in units], [u.static_bytes for u in units])
+
+
+def _search(costs: list[UnitCost], programs: list, skipped: list, pp: int, microbatches: int,
+            memory_budget: float | None, comm_s: float, exhaustive_limit: int) -> PartitionPlan:
+    """The core's search over the candidates, and the plan around its answer."""
+    profile = unit_profile(costs)
+    budget = 0.0 if memory_budget is None else float(memory_budget)
+    res = _C.plan_partition(programs, profile, comm=comm_s, memory_budget=budget, exhaustive_limit=exhaustive_limit)
+    if res.program < 0:
+        least = res.least_peak
+        raise ValueError(
+            f"plan_partition: memory_budget {budget:.0f} bytes per rank fits no split; the smallest peak found is "
+            f"{max(least.peak_bytes):.0f} bytes ({programs[res.least_peak_program].schedule}, units per stage "
+            f"{[hi - lo for lo, hi in zip(least.bounds, least.bounds[1:])]})")
+    chosen = programs[res.program]
+    even = _C.even_bounds(len(costs), chosen.num_stages)
+    even_score = _C.score_split(chosen, profile, even, comm_s, budget)
+    candidates = [(p.schedule, r.makespan if r.bounds and r.fits else None, max(r.peak_bytes) if r.bounds else None)
+                  for p, r in zip(programs, res.per_program)] + [(name, None, None) for name, _ in skipped]
+    share = sum(u.f + u.i + u.w for u in costs) / pp
+    heavy = max(costs, key=lambda u: u.f + u.i + u.w)
+    return PartitionPlan(
+        module_fqns_per_stage=_stages_of(costs, res.best.bounds), schedule=chosen.schedule,
+        predicted_step_s=res.best.makespan, peak_bytes=list(res.best.peak_bytes), units=costs, pp=pp,
+        microbatches=microbatches, bounds=list(res.best.bounds), even_bounds=list(even),
+        even_step_s=even_score.makespan, even_peak_bytes=list(even_score.peak_bytes), candidates=candidates,
+        exact=res.exact, simulated=res.simulated, memory_budget=memory_budget,
+        bounding_unit=heavy.fqn if heavy.f + heavy.i + heavy.w > share else None)
+
