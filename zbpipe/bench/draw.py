@@ -1,5 +1,6 @@
-"""`zbpipe bench --draw PATH`: one step's realized timeline (the last timed step's host records,
-every rank on one clock) above the simulation fed with the costs the trace measured."""
+"""`zbpipe bench --draw PATH`: one step's realized timeline (the last timed step's compute
+records on the host clock, each from the end of its receive wait; every rank from its own step
+start) above the simulation fed with the costs the trace measured."""
 
 from __future__ import annotations
 
@@ -13,8 +14,7 @@ from ..timeline_text import chunk_of
 
 
 def _realized_boxes(program: _C.Program, traces: dict[int, list[dict]]) -> list[Box]:
-    boxes = []
-    t0 = min((r["start_ns"] for t in traces.values() for r in t), default=0)
+    boxes = []  # times from each rank's own step start (every rank leaves one barrier)
     for rank, records in traces.items():
         for r in records:
             try:
@@ -25,7 +25,8 @@ def _realized_boxes(program: _C.Program, traces: dict[int, list[dict]]) -> list[
                 continue
             parts = list(a.sub_actions) or [a]
             boxes.append(Box(rank, a.kind.name, "/".join(str(p.microbatch) for p in parts),
-                             (r["start_ns"] - t0) / 1e6, (r["end_ns"] - t0) / 1e6, chunk_of(program, parts[0].stage)))
+                             (r["start_ns"] + r.get("wait_ns", 0)) / 1e6, r["end_ns"] / 1e6,
+                             chunk_of(program, parts[0].stage)))
     return boxes
 
 

@@ -2,7 +2,7 @@
 
 Per (schedule, AC): realized step (median over repetitions of the slowest rank's step), the
 simulation under the nominal costs and under the costs the run's own trace measured (per-stage
-median F, I, W, B host times, receive waits excluded; device times on CUDA), both with the
+mean F, I, W, B host times, receive waits excluded; device times on CUDA), both with the
 measured hop latency; the realization gap (realized / measured-cost simulation); zbpipe/torch;
 host time per action; peak saved-activation bytes measured against the simulator's prediction.
 """
@@ -55,12 +55,11 @@ def _nominal(cfg: BenchConfig, program: _C.Program, ac: bool, comm_s: float) -> 
     n = program.num_stages
     c = nominal_costs(cfg, n, ac)
     saved = 4.0 * cfg.saved_elems(n)
-    mem_f = [0.0 if ac else saved] * n
     mem_w = [0.0] * n
-    mem_w[0] = mem_f[0]  # the first stage's input path runs in W: its buffer waits for it
+    mem_w[0] = saved  # the first stage's input path runs in W: its buffer waits for it
     res = simulate(program, f=[v / 1e3 for v in c["f"]], b=[v / 1e3 for v in c["i"]],
-                   w=[v / 1e3 for v in c["w"]], comm=comm_s, mem_f=mem_f, mem_w=mem_w)
-    predicted = saved if ac else max(res.peak_memory)
+                   w=[v / 1e3 for v in c["w"]], comm=comm_s, mem_f=[saved] * n, mem_w=mem_w)
+    predicted = saved if ac else max(res.peak_memory)  # AC: one recompute's buffer at a time
     return res.makespan, predicted
 
 
@@ -98,6 +97,9 @@ def rows(cfg: BenchConfig, gathered: dict) -> list[dict]:
             row["zbpipe_over_torch"] = _ratio(realized, torch_s)
             hosts = [r[zk]["host_per_action_s"] for r in ranks if zk in r and r[zk].get("host_per_action_s") is not None]
             row["host_us_per_action"] = statistics.fmean(hosts) * 1e6 if hosts else None
+            for edge in ("lead_s", "tail_s"):  # the slowest rank's: before its first record, after its last
+                values = [r[zk][edge] for r in ranks if zk in r and edge in r[zk]]
+                row[edge.replace("_s", "_ms")] = max(values) * 1e3 if values else None
             peaks = [r[zk]["saved_peak"] for r in ranks if zk in r]
             row["saved_peak_bytes"] = max(peaks) if peaks else None
             row["saved_predicted_bytes"] = predicted

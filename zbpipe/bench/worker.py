@@ -13,7 +13,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from ..stage_costs import profile_from_trace
+from ..stage_costs import _COMPUTE, _took_s
 from .config import AUTO, BenchConfig, torch_has
 from .emulated import SavedBytes
 from .stages import Workload
@@ -64,6 +64,20 @@ def measure_hop(rank: int, world: int, nbytes: int, device: torch.device, reps: 
     return out
 
 
+def mean_costs(records: list[dict]) -> dict[int, dict[str, float | None]]:
+    """{stage: {"f", "i", "w", "b": seconds}}: the mean time of each compute kind over the
+    records (profile_from_trace's per-action time: device time where recorded, else host time
+    less the receive wait). Means, not profile_from_trace's medians: a step is a sum of
+    action times, and the slow tail of a contended host is part of it."""
+    times: dict[int, dict[str, list[float]]] = {}
+    for r in records:
+        m = _COMPUTE.match(r["action"])
+        if m:
+            times.setdefault(int(m.group(1)), {}).setdefault(m.group(2).lower(), []).append(max(_took_s(r, "auto"), 0.0))
+    return {s: {k: (statistics.fmean(kinds[k]) if k in kinds else None) for k in "fiwb"}
+            for s, kinds in sorted(times.items())}
+
+
 class Run:
     """One (schedule, library, AC) on this rank's stages and the samples of its timed steps."""
 
@@ -75,6 +89,7 @@ class Run:
         self.walls: list[float] = []
         self.traces: list[list[dict]] = []
         self.last_start_ns = 0
+        self.edges: list[tuple[float, float]] = []  # per timed step: (first record's start, after the last record's end), s
         self.saved_peak = 0
         pp, m = cfg.pp, cfg.microbatches
         placement = "1f1b" if schedule == AUTO else schedule
@@ -120,11 +135,16 @@ class Run:
             self.sched.step(*args, target=target, **extra)
         _sync(self.device)
         wall = time.perf_counter() - t0
+        end_ns = time.monotonic_ns()
         if timed:
             self.walls.append(wall)
             if self.lib == "zbpipe":
-                self.traces.append(self.sched.trace())
+                trace = self.sched.trace()
+                self.traces.append(trace)
                 self.last_start_ns = start_ns
+                if trace:
+                    self.edges.append(((min(r["host_start_ns"] for r in trace) - start_ns) / 1e9,
+                                       (end_ns - max(r["host_end_ns"] for r in trace)) / 1e9))
 
     def host_per_action(self) -> float | None:
         """Median over timed steps of the host time this rank's records took (receive waits
@@ -156,15 +176,15 @@ class Run:
         out = {"walls": self.walls, "saved_peak": self.saved_peak, "local": self.local}
         if self.lib == "zbpipe":
             records = [r for t in self.traces for r in t if not r.get("worker")]
-            try:
-                out["profile"] = profile_from_trace(records) if records else {}
-            except ValueError:
-                out["profile"] = {}
+            out["profile"] = mean_costs(records)
             out["host_per_action_s"] = self.host_per_action()
+            if self.edges:  # the step's host time outside the executor's records, at both ends
+                out["lead_s"] = statistics.median(e[0] for e in self.edges)
+                out["tail_s"] = statistics.median(e[1] for e in self.edges)
             if self.traces:
                 out["last_trace"] = [
                     {"action": r["action"], "start_ns": r["host_start_ns"] - self.last_start_ns,
-                     "end_ns": r["host_end_ns"] - self.last_start_ns}
+                     "end_ns": r["host_end_ns"] - self.last_start_ns, "wait_ns": r.get("wait_ns", 0)}
                     for r in self.traces[-1] if not r.get("worker")]
         if self.schedule == AUTO:
             t = self.sched.tuning
