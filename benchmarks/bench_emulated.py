@@ -33,7 +33,7 @@ import sys
 
 from zbpipe.bench.command import measure
 from zbpipe.bench.config import BenchConfig, training_schedules
-from zbpipe.bench.report import table
+from zbpipe.bench.report import table, write_json
 
 ZERO_BUBBLE = ("zb_h1", "zb_h2", "zbv", "interleaved_zb", "dualpipev", "zb_auto", "v_half", "v_min")
 AUTO_SCHEDULES = ("1f1b", "zb_h1", "zb_h2", "zb_auto", "auto")
@@ -93,6 +93,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lib", default=None, help="default zbpipe,torch (schedules) or zbpipe")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--act", type=int, default=256 * 1024)
+    p.add_argument("--json", default=None, metavar="PATH", help="write zbpipe bench's rows as JSON")
     ns = p.parse_args(argv)
     pp = ns.pp or (8 if ns.goal == "schedules" else 4)
     m = ns.microbatches or 2 * pp
@@ -108,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                       reps=ns.reps, ac="both" if ns.goal == "ac" else "off", timeout_s=3600.0).check()
     result = measure(cfg)
     print(table(cfg, result), flush=True)
+    if ns.json:
+        write_json(ns.json, cfg, result)
     print(f"\nGoals ({ns.goal}):")
     for line in {"schedules": goal_schedules, "ac": goal_ac, "auto": goal_auto}[ns.goal](result["rows"]):
         print(line)

@@ -90,3 +90,27 @@ def test_torch_missing_schedule_is_not_an_error():
 
     assert not torch_has("zb_h1") and torch_has("1f1b")
     BenchConfig(pp=2, schedules=["zb_h1"], libs=["zbpipe", "torch"]).check()  # no error
+
+
+def test_under_torchrun_it_joins_the_world_of_the_environment():
+    """WORLD_SIZE and RANK set (as torchrun sets them): one process is the whole world of pp=1,
+    no process is spawned, and rank 0 prints the table."""
+    import subprocess
+    import sys
+
+    from helpers.subprocess_env import NEUTRAL_CWD, child_env, free_port
+
+    env = dict(child_env(), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    done = subprocess.run([sys.executable, "-m", "zbpipe.bench", "--schedules", "1f1b", "--lib", "zbpipe",
+                           "--f", "0.5", "--i", "0.5", "--w", "0.5", "--act", "4K", "--reps", "1", "--warmup", "0"],
+                          capture_output=True, text=True, env=env, cwd=NEUTRAL_CWD, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "pp=1 " in done.stdout and "| 1f1b | off |" in done.stdout
+
+
+def test_under_torchrun_the_world_must_be_the_pipeline(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert cli_main(["bench", "--pp", "4", "--schedules", "1f1b"]) == 2
+    assert "WORLD_SIZE=2 but --pp=4" in capsys.readouterr().err

@@ -52,7 +52,7 @@ def draw_row(path: str, program: _C.Program, gathered: dict, key, row: dict) -> 
     profile: dict = {}
     for r in gathered["ranks"]:
         profile.update(r[key].get("profile", {}))
-    comm = gathered["hop"]["hop_s"]
+    comm = row["hop_ms"] / 1e3
     costs = compile_costs(profile, program.num_stages)
     res = simulate(program, f=costs["f"], b=costs["b"], w=costs["w"], comm=comm)
     simulated, _ = program_boxes(program, res, comm)

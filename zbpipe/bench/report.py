@@ -3,8 +3,10 @@
 Per (schedule, AC): realized step (median over repetitions of the slowest rank's step), the
 simulation under the nominal costs and under the costs the run's own trace measured (per-stage
 mean F, I, W, B host times, receive waits excluded; device times on CUDA), both with the
-measured hop latency; the realization gap (realized / measured-cost simulation); zbpipe/torch;
-host time per action; peak saved-activation bytes measured against the simulator's prediction.
+measured hop latency (inside the steps: a waiting action's wait end less the end of its
+producer on the other rank, median; across hosts, whose clocks differ, the ping-pong's one-way
+time); the realization gap (realized / measured-cost simulation); zbpipe/torch; host time per
+action; peak saved-activation bytes measured against the simulator's prediction.
 """
 
 from __future__ import annotations
@@ -16,9 +18,12 @@ import statistics
 from .. import _C
 from ..programs import simulate
 from ..stage_costs import compile_costs
+import re
+
 from .config import AUTO, BenchConfig
 from .stages import nominal_costs
 
+_ONE = re.compile(r"^(\d+)([FBIW])(\d+)$")  # one compute action (not an OVERLAP_F_B pair)
 COLUMNS = ("schedule", "ac", "realized_ms", "sim_nominal_ms", "sim_measured_ms", "gap", "torch_ms",
            "zbpipe_over_torch", "host_us_per_action", "saved_peak_bytes", "saved_predicted_bytes")
 
@@ -44,6 +49,33 @@ def _measured_sim(program: _C.Program, ranks: list[dict], key, comm_s: float) ->
               for s in range(program.num_stages)]
     res = simulate(program, f=costs["f"], b=costs["b"], w=costs["w"], b_full=b_full, comm=comm_s)
     return res.makespan, profile
+
+
+def step_hop(program: _C.Program, ranks: list[dict], key) -> float | None:
+    """The hop latency inside the run's own steps: for each compute action that waited for a
+    message, the end of its wait less the end of the producing action on the other rank
+    (one host clock), median over every such message of every timed step; None without any.
+    What the simulator's comm stands for: the sender's posting, the transfer, the wake-up."""
+    rank_of = program.stage_to_rank
+    last = program.num_stages - 1
+    samples = []
+    steps = [r[key].get("steps", []) for r in ranks if key in r]
+    for i in range(min((len(s) for s in steps), default=0)):
+        ends, waits = {}, []
+        for rank, per_step in enumerate(steps):
+            for action, start, end, wait in per_step[i]:
+                m = _ONE.match(action)
+                if not m:
+                    continue
+                stage, kind, mb = int(m.group(1)), m.group(2), int(m.group(3))
+                if kind != "W":  # W sends nothing
+                    ends[(stage, "F" if kind == "F" else "G", mb)] = end
+                if wait > 0:
+                    src = stage - 1 if kind == "F" else stage + 1
+                    if 0 <= src <= last and kind != "W" and rank_of[src] != rank_of[stage]:
+                        waits.append(((src, "F" if kind == "F" else "G", mb), start + wait))
+        samples += [(arrival - ends[k]) / 1e9 for k, arrival in waits if k in ends and arrival > ends[k]]
+    return statistics.median(samples) if samples else None
 
 
 def _nominal(cfg: BenchConfig, program: _C.Program, ac: bool, comm_s: float) -> tuple[float | None, float | None]:
@@ -89,8 +121,12 @@ def rows(cfg: BenchConfig, gathered: dict) -> list[dict]:
             nominal = predicted = measured = None
             profile = {}
             if program is not None:
-                nominal, predicted = _nominal(cfg, program, ac, comm)
-                measured, profile = _measured_sim(program, ranks, zk, comm)
+                # The hop inside the steps where every rank shares one clock, else the ping-pong's.
+                in_step = step_hop(program, ranks, zk) if gathered.get("one_host") else None
+                comm_s = in_step if in_step is not None else comm
+                row["hop_ms"] = comm_s * 1e3
+                nominal, predicted = _nominal(cfg, program, ac, comm_s)
+                measured, profile = _measured_sim(program, ranks, zk, comm_s)
             row["sim_nominal_ms"] = nominal * 1e3 if nominal is not None else None
             row["sim_measured_ms"] = measured * 1e3 if measured is not None else None
             row["gap"] = _ratio(realized, measured)

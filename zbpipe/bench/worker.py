@@ -7,6 +7,7 @@ Every rank returns the gathered measurements (report.rows turns them into the ta
 from __future__ import annotations
 
 import re
+import socket
 import statistics
 import time
 
@@ -178,6 +179,8 @@ class Run:
             records = [r for t in self.traces for r in t if not r.get("worker")]
             out["profile"] = mean_costs(records)
             out["host_per_action_s"] = self.host_per_action()
+            out["steps"] = [[(r["action"], r["host_start_ns"], r["host_end_ns"], r.get("wait_ns", 0))
+                             for r in t if not r.get("worker")] for t in self.traces]
             if self.edges:  # the step's host time outside the executor's records, at both ends
                 out["lead_s"] = statistics.median(e[0] for e in self.edges)
                 out["tail_s"] = statistics.median(e[1] for e in self.edges)
@@ -252,4 +255,7 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, device: torch.device) ->
     every: list = [None] * world
     dist.all_gather_object(every, mine)
     programs = {key: run.program.to_csv_text() for key, run in runs.items()}
-    return {"hop": hop, "ranks": every, "programs": programs, "skipped": skipped, "world": world}
+    hosts: list = [None] * world
+    dist.all_gather_object(hosts, socket.gethostname())
+    return {"hop": hop, "ranks": every, "programs": programs, "skipped": skipped, "world": world,
+            "one_host": len(set(hosts)) == 1}
