@@ -17,7 +17,7 @@ import torch.distributed as dist
 from ..stage_costs import _COMPUTE, _took_s
 from .config import AUTO, BenchConfig, torch_has
 from .emulated import SavedBytes
-from .stages import Workload
+from .stages import Workload, nominal_costs
 
 _PARTS = re.compile(r"(\d+)([FBIW])(\d+)")
 
@@ -100,8 +100,9 @@ class Run:
         if lib == "zbpipe":
             # Static shapes: torch's stages are declared with their shapes too (io_examples).
             kwargs = {"timeout": cfg.timeout_s / 3, "device_timing": device.type != "cpu", "static_shapes": True}
-            costs = self.work.cfg.stage_costs(program.num_stages)
-            if "f" in zbpipe.schedule_options(schedule if schedule != AUTO else "1f1b"):
+            if "f" in zbpipe.schedule_options(placement) and cfg.model == "emulated":
+                # Cost-driven schedules plan under the nominal costs of this run, AC's recompute included.
+                costs = nominal_costs(cfg, program.num_stages, ac)
                 kwargs["compile_options"] = dict(f=costs["f"], b=costs["i"], w=costs["w"])
         if schedule == AUTO:
             self.sched, self.local = build_pipeline(
