@@ -114,3 +114,15 @@ def test_under_torchrun_the_world_must_be_the_pipeline(monkeypatch, capsys):
     monkeypatch.setenv("RANK", "0")
     assert cli_main(["bench", "--pp", "4", "--schedules", "1f1b"]) == 2
     assert "WORLD_SIZE=2 but --pp=4" in capsys.readouterr().err
+
+
+def test_run_returns_the_rows_of_a_checked_config(monkeypatch):
+    seen = {}
+
+    def fake_measure(cfg):
+        seen["cfg"] = cfg
+        return {"rows": [{"schedule": "1f1b"}], "hop": {}, "gathered": {}}
+
+    monkeypatch.setattr(run_mod, "measure", fake_measure)
+    assert run(pp=2, schedules=["1f1b"], f=[3.0]) == [{"schedule": "1f1b"}]
+    assert seen["cfg"].f == [3.0, 3.0] and seen["cfg"].pp == 2

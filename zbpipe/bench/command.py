@@ -95,7 +95,7 @@ def run(**options) -> list[dict] | None:
     """Runs the benchmark with BenchConfig's fields as keywords (pp=, microbatches=,
     schedules=, f=, i=, w=, act=, model=, libs=, reps=, device=, ac=, budget=) and returns
     its rows (report.COLUMNS and details). BenchError for bad input, before any process starts."""
-    result = measure(BenchConfig(**options))
+    result = measure(BenchConfig(**options).check())
     return result["rows"] if result is not None else None
 
 
