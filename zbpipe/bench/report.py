@@ -137,7 +137,8 @@ def rows(cfg: BenchConfig, gathered: dict) -> list[dict]:
                 values = [r[zk][edge] for r in ranks if zk in r and edge in r[zk]]
                 row[edge.replace("_s", "_ms")] = max(values) * 1e3 if values else None
             peaks = [r[zk]["saved_peak"] for r in ranks if zk in r]
-            row["saved_peak_bytes"] = max(peaks) if peaks else None
+            # Only the emulated blocks' saved buffers are tracked.
+            row["saved_peak_bytes"] = max(peaks) if peaks and cfg.model == "emulated" else None
             row["saved_predicted_bytes"] = predicted
             row["costs_ms"] = {s: {k: (v * 1e3 if v is not None else None) for k, v in p.items() if k in "fiwb"}
                                for s, p in sorted(profile.items())}
@@ -176,8 +177,8 @@ def _cell(v, fmt: str) -> str:
 def table(cfg: BenchConfig, result: dict) -> str:
     """The rows as a Markdown table, the hop line and ScheduleAuto's lines."""
     hop = result["hop"]
-    lines = [f"pp={cfg.pp} microbatches={cfg.microbatches} model={cfg.model} device={cfg.device} "
-             f"F/I/W ms per 1F1B stage {cfg.f}/{cfg.i}/{cfg.w} act {cfg.act} B reps={cfg.reps}",
+    costs = (f" F/I/W ms per 1F1B stage {cfg.f}/{cfg.i}/{cfg.w} act {cfg.act} B" if cfg.model == "emulated" else "")
+    lines = [f"pp={cfg.pp} microbatches={cfg.microbatches} model={cfg.model} device={cfg.device}{costs} reps={cfg.reps}",
              f"hop at {cfg.act} B: {hop['hop_s'] * 1e3:.3f} ms one-way, {hop['bandwidth_Bps'] / 1e9:.3f} GB/s; "
              f"latency (4 B) {hop['latency_s'] * 1e6:.1f} us", "",
              "| schedule | AC | realized ms | sim nominal ms | sim measured ms | gap | torch ms | zbpipe/torch "
