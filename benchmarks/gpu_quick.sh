@@ -22,5 +22,11 @@ timeout 300 "$py" -m pytest -p no:cacheprovider -q -rs tests/runtime/test_runtim
   2>&1 | tee "$out/tests.log" | tail -25 || status=1
 timeout 150 "$py" benchmarks/bench_dispatch.py --pp 1 --device cuda --sizes tiny,medium \
   --schedules zbv,dualpipev --libs torch,zbpipe --reps 3 --warmup 2 2>&1 | tee "$out/bench.log" | tail -20 || status=1
+# zbpipe bench on the CUDA path (sleep kernels on the compute stream, NCCL), one rank per GPU;
+# one GPU: pp=1 (no hop: the executor's own overhead against the simulation).
+ngpu="$("$py" -c "import torch; print(torch.cuda.device_count())")"
+bench_pp=$(( ngpu >= 4 ? 4 : (ngpu >= 2 ? 2 : 1) ))
+timeout 240 "$py" -m zbpipe bench --device cuda --pp "$bench_pp" --microbatches 8 --f 2 --i 2 --w 2 \
+  --reps 5 --json "$out/bench_cuda.json" 2>&1 | tee "$out/bench_cuda.log" | tail -30 || status=1
 echo "-- gpu_quick done after $((SECONDS - t0)) s, status $status"
 exit $status

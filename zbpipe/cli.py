@@ -1,5 +1,6 @@
-"""The ``zbpipe`` command: plan / simulate / draw a schedule (and ``train`` when zbpipe.train
-exists). User errors print one line and exit 2, without a traceback."""
+"""The ``zbpipe`` command: plan / simulate / draw a schedule, ``bench`` (zbpipe/bench/: the
+microbenchmark on emulated devices), and ``train`` when zbpipe.train exists. User errors print
+one line and exit 2, without a traceback."""
 
 from __future__ import annotations
 
@@ -147,6 +148,8 @@ def build_parser() -> argparse.ArgumentParser:
     draw.add_argument("--size", type=_size, default=None, help="WIDTHxHEIGHT in pixels")
     if _has_train():
         sub.add_parser("train", add_help=False, help="train a model (zbpipe.train)")
+    sub.add_parser("bench", add_help=False,
+                   help="microbenchmark on emulated devices: realized vs simulated step, vs torch (zbpipe.bench)")
     return parser
 
 
@@ -408,6 +411,10 @@ def main(argv: list[str] | None = None) -> int:
             return int(train.main(argv[1:]) or 0)
         except SystemExit as exc:  # its argparse exits on --help and on bad arguments
             return exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 2)
+    if argv[:1] == ["bench"]:
+        from .bench import main as bench_main
+
+        return bench_main(argv[1:])
     parser = build_parser()
     try:
         try:

@@ -295,3 +295,13 @@ def test_python_dash_m_subprocess():
     assert bad.returncode == 2
     assert bad.stderr.startswith("zbpipe: error: unknown schedule 'nope'")
     assert "Traceback" not in bad.stderr
+
+
+def test_bench_is_listed_and_forwarded(capsys):
+    code, out, _ = run(capsys, "--help")
+    assert code == 0 and "bench" in out and "emulated devices" in " ".join(out.split())
+    code, out, _ = run(capsys, "bench", "--help")
+    assert code == 0 and "--microbatches" in out and "--draw PATH" in out and "torchrun" in out
+    code, _, err = run(capsys, "bench", "--pp", "2", "--i", "0")  # refused before any process starts
+    assert code == 2 and err.startswith("zbpipe bench: error: --i: every time must be a positive number")
+    assert "Traceback" not in err

@@ -73,3 +73,20 @@ def test_saved_activation_is_held_until_backward():
 def test_bad_times_raise():
     with pytest.raises(ValueError, match="i_ms"):
         EmulatedBlock(4, 1.0, -1.0, 1.0)
+
+
+def test_first_stage_input_path_runs_in_w(monkeypatch):
+    """An input that needs no gradient (a first stage's data): the input path still holds its
+    saved buffer and spends I, in the backward's W part (I has nothing to compute there)."""
+    spent = _Spent(monkeypatch)
+    block = EmulatedBlock(8, 1.0, 2.0, 3.0, saved_elems=16)
+    x = torch.randn(4, 8)  # no grad: the first stage's data
+    out = block(x)
+    assert spent.take() == pytest.approx(1.0)
+    saved = [t.numel() for t in out.grad_fn.next_functions[0][0].saved_tensors]
+    assert saved == [16]
+    grads, work = _C.backward_input([out], [torch.ones(4, 8)], [])
+    assert spent.take() == pytest.approx(0.0)
+    _C.backward_weight(work)
+    assert spent.take() == pytest.approx(5.0)  # the input path (2) and the weight path (3)
+    assert torch.equal(block.bias.grad, torch.full((8,), 4.0))

@@ -11,8 +11,12 @@ and ``w_ms`` in the backward of its weight path, as:
 
 The two paths are two autograd Functions: the input path (x -> y) and the weight path (a
 parameter added to y). zbpipe's split backward runs the input path in I and the parameter-only
-path in W (docs/split_backward.md); a fused B runs both. The block saves ``saved_elems`` float
+path in W (docs/split_backward.md); a fused B runs both. On a first stage, whose input needs no
+gradient, the input path hangs off the parameter and runs in W (I has nothing to do there, as
+for any model's first stage). The block saves ``saved_elems`` float
 elements per microbatch for its backward (a fixed activation, whatever the batch).
+``SavedBytes`` (``with SavedBytes() as saved: ...; saved.peak``) measures the largest total of
+those saved buffers alive at once in this process: the rank's peak of saved activations.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 
 import torch
 from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 _CYCLES_PER_MS: dict[int, float] = {}
 
@@ -44,9 +49,35 @@ def spend(ms: float, device: torch.device) -> None:
         time.sleep(ms / 1000.0)
 
 
+class SavedBytes:
+    """While active (a context manager, one at a time per process), the saved buffers every
+    EmulatedBlock forward makes are tracked: ``peak`` is the largest total of their bytes alive
+    at once. Sampled right after each allocation, where a total can only have grown, so the
+    maximum is exact."""
+
+    active: "SavedBytes | None" = None
+
+    def __init__(self):
+        self.live: list[tuple[StorageWeakRef, int]] = []
+        self.peak = 0
+
+    def __enter__(self) -> "SavedBytes":
+        SavedBytes.active = self
+        return self
+
+    def __exit__(self, *exc) -> None:
+        SavedBytes.active = None
+
+    def add(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        self.live = [(ref, n) for ref, n in self.live if not ref.expired()]
+        self.live.append((StorageWeakRef(storage), storage.nbytes()))
+        self.peak = max(self.peak, sum(n for _, n in self.live))
+
+
 class _InputPath(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, saved, f_ms, i_ms):
+    def forward(ctx, x, saved, anchor, f_ms, i_ms):
         spend(f_ms, x.device)
         ctx.save_for_backward(saved)
         ctx.i_ms = i_ms
@@ -56,7 +87,8 @@ class _InputPath(torch.autograd.Function):
     def backward(ctx, gy):
         (saved,) = ctx.saved_tensors
         spend(ctx.i_ms, gy.device)
-        return gy, None, None, None
+        anchor_grad = gy.new_zeros(0) if ctx.needs_input_grad[2] else None
+        return gy, None, anchor_grad, None, None
 
 
 class _WeightPath(torch.autograd.Function):
@@ -88,7 +120,12 @@ class EmulatedBlock(nn.Module):
 
     def forward(self, x):
         saved = x.new_empty(self.saved_elems) if torch.is_grad_enabled() else x.new_empty(0)
-        y = _InputPath.apply(x, saved, self.f_ms, self.i_ms)
+        if SavedBytes.active is not None and saved.numel():
+            SavedBytes.active.add(saved)
+        # A first stage's input needs no gradient: an empty view of the bias keeps the input
+        # path (its saved buffer, its backward time) in the graph, in the backward's W part.
+        anchor = None if x.requires_grad else self.bias[:0]
+        y = _InputPath.apply(x, saved, anchor, self.f_ms, self.i_ms)
         return y + _WeightPath.apply(self.bias, self.w_ms)
 
     def extra_repr(self) -> str:

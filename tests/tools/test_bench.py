@@ -1,0 +1,128 @@
+"""zbpipe bench (zbpipe/bench/): a smoke run at pp=4 with 0.5 ms actions and one repetition
+(the table's rows, every ratio finite, torch's missing schedule reported n/a, the saved-bytes
+peak as the simulator's memory model predicts it, --json and --draw written), and bad input
+refused before any process starts. No timed assertion: speed goals live in docs/benchmarks.md."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+import zbpipe.bench.launch as launch_mod
+import zbpipe.bench.command as run_mod
+from zbpipe.bench import BenchConfig, BenchError, run
+from zbpipe.cli import main as cli_main
+
+SMOKE = ["--pp", "4", "--microbatches", "4", "--schedules", "1f1b,zb_h1,zbv", "--f", "0.5", "--i", "0.5",
+         "--w", "0.5", "--act", "4K", "--reps", "1", "--warmup", "0", "--timeout", "240"]
+
+
+def test_smoke_table_rows_finite_ratios_json_and_picture(tmp_path, capsys):
+    out_json, out_png = tmp_path / "bench.json", tmp_path / "step.png"
+    code = cli_main(["bench", *SMOKE, "--json", str(out_json), "--draw", str(out_png)])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    table_rows = [line for line in out.splitlines() if line.startswith("| ") and not line.startswith("| schedule")]
+    assert [r.split("|")[1].strip() for r in table_rows] == ["1f1b", "zb_h1", "zbv"]
+    assert "hop at 4096 B" in out
+    doc = json.loads(out_json.read_text())
+    rows = {r["schedule"]: r for r in doc["rows"]}
+    assert set(rows) == {"1f1b", "zb_h1", "zbv"}
+    for name, r in rows.items():
+        for key in ("realized_ms", "sim_nominal_ms", "sim_measured_ms", "gap", "host_us_per_action"):
+            assert r[key] is not None and math.isfinite(r[key]), (name, key, r[key])
+        assert r["realized_ms"] > 0 and r["gap"] > 0
+        # The emulated blocks' saved buffers follow the simulator's memory model exactly.
+        assert r["saved_peak_bytes"] == r["saved_predicted_bytes"] > 0, name
+    for name in ("1f1b", "zbv"):  # torch has these: measured in the same run
+        assert math.isfinite(rows[name]["zbpipe_over_torch"]) and rows[name]["torch_ms"] > 0
+    assert rows["zb_h1"]["torch_ms"] is None and rows["zb_h1"]["zbpipe_over_torch"] is None
+    assert "no zb_h1 schedule" in rows["zb_h1"]["torch_note"]
+    assert doc["hop"]["hop_s"] > 0 and doc["hop"]["bandwidth_Bps"] > 0
+    for name in rows:
+        data = (tmp_path / f"step_{name}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.fixture
+def no_launch(monkeypatch):
+    """Fails the test if any process would start."""
+    def refuse(*a, **k):
+        raise AssertionError("a process was started")
+    monkeypatch.setattr(run_mod, "launch", refuse)
+    monkeypatch.setattr(launch_mod, "run_local", refuse, raising=False)
+
+
+@pytest.mark.parametrize("options, needle", [
+    (dict(pp=4, f=[1.0, 2.0]), "--f has 2 values: give one, or one per stage"),
+    (dict(pp=2, w=[1.0, 2.0, 3.0]), "--w has 3 values"),
+    (dict(pp=2, i=[0.0]), "--i: every time must be a positive number"),
+    (dict(pp=2, f=[-1.0, 1.0]), "--f: every time must be a positive number"),
+    (dict(pp=4, microbatches=4, schedules=["dualpipev"]), "dualpipev does not fit pp=4 x microbatches=4"),
+    (dict(pp=2, schedules=["inference"]), "unknown or forward-only schedule 'inference'"),
+    (dict(pp=2, libs=["deepspeed"]), "--lib takes"),
+])
+def test_bad_input_fails_before_any_process(no_launch, options, needle):
+    with pytest.raises(BenchError, match=needle.replace("(", r"\(")):
+        run(**options)
+
+
+def test_bad_input_on_the_command_line_is_one_line_exit_2(no_launch, capsys):
+    assert cli_main(["bench", "--pp", "4", "--f", "1,2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "zbpipe bench: error: --f has 2 values" in err
+    assert cli_main(["bench", "--act", "lots"]) == 2
+    assert "expected bytes" in capsys.readouterr().err
+
+
+def test_costs_spread_over_a_schedules_stages():
+    cfg = BenchConfig(pp=2, f=[2.0, 4.0], i=[1.0], w=[3.0]).check()
+    assert cfg.stage_costs(2) == {"f": [2.0, 4.0], "i": [1.0, 1.0], "w": [3.0, 3.0]}
+    # Two stages per rank (V): each slice runs as two stages of half its cost and activation.
+    assert cfg.stage_costs(4) == {"f": [1.0, 1.0, 2.0, 2.0], "i": [0.5] * 4, "w": [1.5] * 4}
+    assert cfg.saved_elems(4) == cfg.saved_elems(2) // 2
+
+
+def test_torch_missing_schedule_is_not_an_error():
+    from zbpipe.bench.config import torch_has
+
+    assert not torch_has("zb_h1") and torch_has("1f1b")
+    BenchConfig(pp=2, schedules=["zb_h1"], libs=["zbpipe", "torch"]).check()  # no error
+
+
+def test_under_torchrun_it_joins_the_world_of_the_environment():
+    """WORLD_SIZE and RANK set (as torchrun sets them): one process is the whole world of pp=1,
+    no process is spawned, and rank 0 prints the table."""
+    import subprocess
+    import sys
+
+    from helpers.subprocess_env import NEUTRAL_CWD, child_env, free_port
+
+    env = dict(child_env(), WORLD_SIZE="1", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(free_port()))
+    done = subprocess.run([sys.executable, "-m", "zbpipe.bench", "--schedules", "1f1b", "--lib", "zbpipe",
+                           "--f", "0.5", "--i", "0.5", "--w", "0.5", "--act", "4K", "--reps", "1", "--warmup", "0"],
+                          capture_output=True, text=True, env=env, cwd=NEUTRAL_CWD, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "pp=1 " in done.stdout and "| 1f1b | off |" in done.stdout
+
+
+def test_under_torchrun_the_world_must_be_the_pipeline(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    assert cli_main(["bench", "--pp", "4", "--schedules", "1f1b"]) == 2
+    assert "WORLD_SIZE=2 but --pp=4" in capsys.readouterr().err
+
+
+def test_run_returns_the_rows_of_a_checked_config(monkeypatch):
+    seen = {}
+
+    def fake_measure(cfg):
+        seen["cfg"] = cfg
+        return {"rows": [{"schedule": "1f1b"}], "hop": {}, "gathered": {}}
+
+    monkeypatch.setattr(run_mod, "measure", fake_measure)
+    assert run(pp=2, schedules=["1f1b"], f=[3.0]) == [{"schedule": "1f1b"}]
+    assert seen["cfg"].f == [3.0, 3.0] and seen["cfg"].pp == 2
