@@ -55,7 +55,8 @@ def test_cuda_takes_local_rank_gpu_and_names_a_missing_one():
     count = torch.cuda.device_count()
     env = TorchrunEnv(world_size=count + 1, rank=count, local_rank=count, master_addr="x", master_port=1)
     assert rank_device(env, "cpu") == torch.device("cpu")
-    with pytest.raises(ValueError, match=rf"--device cuda: no GPU for LOCAL_RANK {count} on this node \({count} visible"):
+    missing = rf"--device cuda: no GPU for LOCAL_RANK {count} on this node \({count} visible"
+    with pytest.raises(ValueError, match=missing):
         rank_device(env, "cuda")
     if count:
         assert rank_device(TorchrunEnv(count, count - 1, count - 1, "x", 1), "cuda") == torch.device("cuda", count - 1)
@@ -171,4 +172,5 @@ def test_rank_zero_verdict_is_the_exit_status():
          "--timeout", "60"], cwd=NEUTRAL_CWD, env=env, capture_output=True, text=True, timeout=JOB_TIMEOUT_S)
     out = proc.stdout
     assert proc.returncode == 1, f"exit {proc.returncode}\n{out}\n{proc.stderr[-3000:]}"
-    assert "zbpipe train: rank 0 of 1 in torchrun's world" in out and re.search(r"^final loss: .* MISMATCH$", out, re.M), out
+    assert "zbpipe train: rank 0 of 1 in torchrun's world" in out, out
+    assert re.search(r"^final loss: .* MISMATCH$", out, re.M), out

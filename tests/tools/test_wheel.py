@@ -85,7 +85,8 @@ def built(tmp_path_factory):
     # torch==<exactly this torch> resolves to the wheel file it was installed from, nothing else.
     with open(tmp / "venv.log", "w") as log:
         install_torch = subprocess.Popen(
-            _pip(python, "install", "--no-deps", "--no-compile", *_torch_closure()), stdout=log, stderr=subprocess.STDOUT)
+            _pip(python, "install", "--no-deps", "--no-compile", *_torch_closure()),
+            stdout=log, stderr=subprocess.STDOUT)
     try:
         _run(_pip(tools / "bin" / "python", "install", "--no-deps", *TOOLS), tmp / "tools.log")
         _run([sys.executable, str(ROOT / "build_support" / "build_wheel.py"), "-o", str(tmp / "dist"),
@@ -148,8 +149,9 @@ def _tracked(prefixes: tuple[str, ...]) -> set[str]:
 
 def test_the_sdist_holds_every_file_the_wheel_builds_from(tmp_path):
     needed = _tracked(("CMakeLists.txt", "pyproject.toml", "README.md", "csrc/", "zbpipe/", "build_support/"))
+    make = f"from scikit_build_core.build import build_sdist; print(build_sdist({str(tmp_path)!r}))"
     proc = subprocess.run(
-        [sys.executable, "-c", f"from scikit_build_core.build import build_sdist; print(build_sdist({str(tmp_path)!r}))"],
+        [sys.executable, "-c", make],
         cwd=ROOT, capture_output=True, text=True, timeout=STEP_TIMEOUT_S)
     assert proc.returncode == 0, proc.stderr[-4000:]
     sdist = tmp_path / proc.stdout.strip().splitlines()[-1]

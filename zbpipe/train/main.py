@@ -245,7 +245,8 @@ def _report(opts: dict[str, Any], cfg: TinyConfig, program: zbpipe.Program, resu
               f"measured | {predicted[rank % opts['pp']] / 2**10:.1f} KiB predicted", flush=True)
 
 
-def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace, joined: torchrun.TorchrunEnv | None = None) -> zbpipe.Program:
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace,
+                joined: torchrun.TorchrunEnv | None = None) -> zbpipe.Program:
     """Refuses bad arguments (argparse's usage error, exit status 2) before any process starts
     (under torchrun, `joined`: before this rank joins the world); returns the schedule's program
     (its topology)."""
