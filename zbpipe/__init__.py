@@ -4,7 +4,14 @@ Schedules are built, lowered, validated and simulated in C++ (``zbpipe._C``); a 
 runs them over a torch.distributed process group; this package keeps thin Python wrappers.
 """
 
-import torch  # noqa: F401  (must load before _C: _C links against torch's libraries)
+import torch  # must load before _C: _C links against torch's libraries
+
+__version__ = "0.1.0"
+
+# Before _C: a _C compiled against another torch may not even load (zbpipe/_build_check.py).
+from ._build_check import built_torch as _built_torch, check_torch as _check_torch  # noqa: E402
+
+_check_torch(_built_torch(), torch.__version__, __version__)
 
 from ._C import Action, Kind, PipelineError, Program, ScheduleError, SimResult, SpanBound  # noqa: E402
 from .clipping import clip_grad_norm_  # noqa: E402
@@ -88,7 +95,6 @@ __all__ = [
     "simulate",
     "split_by_fqn",
 ]
-__version__ = "0.1.0"
 
 # The tracer front end (zbpipe/pipe.py) loads torch.distributed.pipelining and torch.export:
 # imported on first use, so `import zbpipe` stays fast.

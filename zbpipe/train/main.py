@@ -1,7 +1,8 @@
 """`zbpipe train` / `python -m zbpipe.train`: pipelined training of a tiny transformer, checked
 against one process.
 
-Spawns `--pp` x `--dp` local ranks (Gloo on 127.0.0.1, or NCCL with --device cuda), splits the
+Spawns `--pp` x `--dp` local ranks (Gloo on 127.0.0.1, or NCCL with --device cuda), or under
+torchrun joins its world, one rank per process on any number of nodes (zbpipe/torchrun.py), splits the
 model of zbpipe.train.model into pipeline stages, trains it on the synthetic Markov task with
 the chosen schedule, and prints step / loss / tokens-per-second / MFU from the rank that holds
 the last stage, then torchtitan's throughput figures and every rank's saved activations against
@@ -11,7 +12,8 @@ replicas each train on 1/N of every batch, their stages wrapped in DistributedDa
 the replicas of the same stage (the printed loss is the mean over replicas, the loss of the
 whole batch). Then it trains the same model (same seed, same batches, same optimizer) in this
 one process and prints both final losses and their difference: pipelining must not change the
-math, so they agree to float-reassociation tolerance (exit status 1 if they do not).
+math, so they agree to float-reassociation tolerance (exit status 1 if they do not). Under
+torchrun, rank 0 runs the one-process reference and prints the comparison, once for the job.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 import zbpipe
+from zbpipe import torchrun
 
 from .data import MarkovTask
 from .launcher import rank_device, run_local
@@ -119,14 +122,14 @@ def _stage_optimizers(opts: dict[str, Any], modules: list[nn.Module]) -> list[to
     return [_optimizer(opts, list(m.parameters())) for m in modules]
 
 
-def _worker(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+def _worker(rank: int, world: int, opts: dict[str, Any], device: torch.device | None = None) -> dict[str, Any]:
     """One pipeline rank: builds the whole model from the seed (identical init everywhere),
     keeps its own stages, resumes them from a checkpoint if asked, and trains them on its
     replica's share of each batch; the rank holding the last stage of replica 0 logs. Every
     rank returns its report (losses and step time on the logging rank, saved-activation bytes
-    everywhere)."""
+    everywhere). `device`: the rank's device where the caller set up the world (torchrun)."""
     pp, dp = opts["pp"], opts["dp"]
-    device = rank_device()
+    device = rank_device() if device is None else device
     replica = rank // pp
     group, dp_group = _groups(rank, pp, dp) if dp > 1 else (None, None)
     program = _topology(opts)
@@ -248,9 +251,11 @@ def _report(opts: dict[str, Any], cfg: TinyConfig, program: zbpipe.Program, resu
               f"measured | {predicted[rank % opts['pp']] / 2**10:.1f} KiB predicted", flush=True)
 
 
-def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> zbpipe.Program:
-    """Refuses bad arguments (argparse's usage error, exit status 2) before any process starts;
-    returns the schedule's program (its topology)."""
+def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace,
+                joined: torchrun.TorchrunEnv | None = None) -> zbpipe.Program:
+    """Refuses bad arguments (argparse's usage error, exit status 2) before any process starts
+    (under torchrun, `joined`: before this rank joins the world); returns the schedule's program
+    (its topology)."""
     if a.pp < 1 or a.microbatches < 1 or a.steps < 1 or a.batch_size < 1 or a.dp < 1:
         p.error("--pp, --dp, --microbatches, --steps and --batch-size must be >= 1")
     try:  # zbpipe validates (pp, microbatches, stages per rank) for either library
@@ -268,7 +273,15 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> zbpipe.Pro
                 f"({a.microbatches} x {a.dp})")
     if a.trace and a.lib != "zbpipe":
         p.error("--trace needs --lib zbpipe")
-    if a.device == "cuda" and torch.cuda.device_count() < a.pp * a.dp:
+    if joined is not None:
+        if joined.world_size != a.pp * a.dp:
+            p.error(f"torchrun's world has WORLD_SIZE={joined.world_size} ranks, but --pp {a.pp} x --dp {a.dp} "
+                    f"= {a.pp * a.dp}: start pp x dp processes in all (--nnodes x --nproc-per-node)")
+        try:
+            torchrun.rank_device(joined, a.device)
+        except ValueError as e:
+            p.error(str(e))
+    elif a.device == "cuda" and torch.cuda.device_count() < a.pp * a.dp:
         p.error(f"--device cuda needs one GPU per rank: --pp {a.pp} x --dp {a.dp}, "
                 f"found {torch.cuda.device_count()}")
     if a.layers is not None and a.layers < program.num_stages:
@@ -297,9 +310,10 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace) -> zbpipe.Pro
 
 
 def _planned_split(a: argparse.Namespace, cfg: TinyConfig, task: MarkovTask,
-                   program: zbpipe.Program) -> list[list[str]]:
-    """--partition auto: the plan for the chosen schedule, measured here on one microbatch of
-    the first batch (on the CPU) before any rank starts, so every rank gets the same split.
+                   program: zbpipe.Program, show: bool = True) -> list[list[str]]:
+    """--partition auto: the plan for the chosen schedule, measured on one microbatch of the
+    first batch (on the CPU): here before any rank starts, or under torchrun on every rank of the
+    joined world, which gather one plan; so every rank gets the same split.
     TinyTransformer's forward needs a block in every stage and the embeddings (and the final
     norm and head) together, so the embeddings ride with the first block and the head with the
     last: units are [tok_emb, pos_emb, blocks.0], blocks.1 .. blocks.(n-2), [blocks.(n-1), ln_f, head]."""
@@ -314,30 +328,87 @@ def _planned_split(a: argparse.Namespace, cfg: TinyConfig, task: MarkovTask,
     plan = zbpipe.plan_partition(build_model(cfg, a.seed), (x[:mb],), pp=a.pp, microbatches=a.microbatches,
                                  loss_fn=lm_loss, mb_target=y[:mb], units=units, schedules=[program.schedule],
                                  device="cpu")
-    print(plan.table(), flush=True)
+    if show:
+        print(plan.table(), flush=True)
     return plan.module_fqns_per_stage
+
+
+def _compare(a: argparse.Namespace, opts: dict[str, Any], cfg: TinyConfig, program: zbpipe.Program,
+             results: list[dict[str, Any]], pipe_wall: str) -> bool:
+    """Prints the report of every rank's results, trains the same model in this process and
+    prints both final losses; True when they agree to --tol."""
+    _report(opts, cfg, program, results)
+    piped = next(r["history"] for r in results if r["history"] is not None)
+    t0 = time.perf_counter()
+    torch.set_num_threads(1)  # like each rank, so the reference does the same float math
+    ref = _single_process(opts, program.num_stages, torch.device("cuda" if a.device == "cuda" else "cpu"))
+    ref = ref[len(ref) - len(piped):]  # a resumed run: its steps, against the run from step 0
+    ref_s = time.perf_counter() - t0
+    diffs = [abs(x - y) for x, y in zip(piped, ref)]
+    diff, worst = diffs[-1], max(diffs)
+    ok = len(piped) == len(ref) and diff <= a.tol * max(1.0, abs(ref[-1]))
+    print(f"wall: pipelined {pipe_wall}, single-process {ref_s:.1f} s")
+    print(f"final loss: pipelined {piped[-1]:.6f} | single-process {ref[-1]:.6f} | "
+          f"diff {diff:.2e} (max over {len(diffs)} steps {worst:.2e}, tol {a.tol:.0e}) "
+          f"{'MATCH' if ok else 'MISMATCH'}", flush=True)
+    return ok
+
+
+def _run_joined(env: torchrun.TorchrunEnv, a: argparse.Namespace, opts: dict[str, Any], cfg: TinyConfig,
+                program: zbpipe.Program) -> int:
+    """This process as one rank of torchrun's world: trains its stages, then rank 0 gathers
+    every rank's report, runs the one-process reference and prints the comparison; its verdict
+    is every rank's exit status (0 MATCH, 1 MISMATCH). --timeout bounds every collective."""
+    device = torchrun.init_process_group(env, a.device, timeout_s=a.timeout)
+    torch.set_num_threads(1)  # as a spawned rank: the reference's float math is one thread's
+    print(f"zbpipe train: rank {env.rank} of {env.world_size} in torchrun's world (local rank "
+          f"{env.local_rank}, {device}, master {env.master_addr}:{env.master_port})", flush=True)
+    try:
+        if a.partition == "auto":  # planned in the joined world: the ranks gather one plan
+            opts["stage_fqns"] = _planned_split(a, cfg, MarkovTask(cfg.vocab, cfg.seq_len, a.seed), program,
+                                                show=env.rank == 0)
+        peak = [peak_flops(a.device) if env.rank == 0 else None]  # one measure, every rank's MFU
+        dist.broadcast_object_list(peak, src=0)
+        opts["peak_flops"], opts["peak_source"] = peak[0]
+        t0 = time.perf_counter()
+        result = _worker(env.rank, env.world_size, opts, device)
+        results = [None] * env.world_size if env.rank == 0 else None
+        dist.gather_object(result, results, dst=0)
+        pipe_wall = f"{time.perf_counter() - t0:.1f} s (in torchrun's world)"
+        verdict = [_compare(a, opts, cfg, program, results, pipe_wall) if env.rank == 0 else None]
+        dist.broadcast_object_list(verdict, src=0)
+    finally:
+        dist.destroy_process_group()
+    return 0 if verdict[0] else 1
 
 
 def main(argv: list[str] | None = None) -> int:
     p = _parser()
     a = p.parse_args(argv)
-    program = _check_args(p, a)
+    try:
+        joined = torchrun.torchrun_env()  # set: this process is one rank of torchrun's world
+    except ValueError as e:
+        p.error(str(e))
+    program = _check_args(p, a, joined)
     num_stages = program.num_stages
     opts = vars(a).copy()
     opts["log_every"] = a.log_every or max(1, a.steps // 10)
     cfg = _config(opts, num_stages)
     task = MarkovTask(cfg.vocab, cfg.seq_len, a.seed)
-    print(f"zbpipe train: lib={a.lib} schedule={a.schedule} pp={a.pp} dp={a.dp} stages={num_stages} "
-          f"(stage->rank {list(program.stage_to_rank)}) microbatches={a.microbatches} batch={a.batch_size} "
-          f"steps={a.steps} device={a.device}", flush=True)
-    print(f"model: {cfg.n_layers} blocks d={cfg.d_model} heads={cfg.n_heads} vocab={cfg.vocab} "
-          f"seq={cfg.seq_len}; task: 2nd-order Markov chain, loss floor ~{task.entropy_floor():.3f} "
-          f"nats (uniform {math.log(cfg.vocab):.3f}); optimizer {a.optimizer} lr={a.lr}", flush=True)
+    if joined is None or joined.rank == 0:  # the job's lines, once
+        print(f"zbpipe train: lib={a.lib} schedule={a.schedule} pp={a.pp} dp={a.dp} stages={num_stages} "
+              f"(stage->rank {list(program.stage_to_rank)}) microbatches={a.microbatches} batch={a.batch_size} "
+              f"steps={a.steps} device={a.device}", flush=True)
+        print(f"model: {cfg.n_layers} blocks d={cfg.d_model} heads={cfg.n_heads} vocab={cfg.vocab} "
+              f"seq={cfg.seq_len}; task: 2nd-order Markov chain, loss floor ~{task.entropy_floor():.3f} "
+              f"nats (uniform {math.log(cfg.vocab):.3f}); optimizer {a.optimizer} lr={a.lr}", flush=True)
+        if a.resume_from:
+            print(f"resuming from {a.resume_from}", flush=True)
+    if joined is not None:
+        return _run_joined(joined, a, opts, cfg, program)
     opts["peak_flops"], opts["peak_source"] = peak_flops(a.device)
     if a.partition == "auto":
         opts["stage_fqns"] = _planned_split(a, cfg, task, program)
-    if a.resume_from:
-        print(f"resuming from {a.resume_from}", flush=True)
     t0 = time.perf_counter()
     try:
         results = run_local(_worker, a.pp * a.dp, (opts,), device=a.device, timeout_s=a.timeout)
@@ -347,19 +418,5 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, TimeoutError) as e:
         print(f"pipelined run failed: {e}", file=sys.stderr)
         return 1
-    pipe_s = time.perf_counter() - t0
-    _report(opts, cfg, program, results)
-    piped = next(r["history"] for r in results if r["history"] is not None)
-    t0 = time.perf_counter()
-    torch.set_num_threads(1)  # like each rank, so the reference does the same float math
-    ref = _single_process(opts, num_stages, torch.device("cuda" if a.device == "cuda" else "cpu"))
-    ref = ref[len(ref) - len(piped):]  # a resumed run: its steps, against the run from step 0
-    ref_s = time.perf_counter() - t0
-    diffs = [abs(x - y) for x, y in zip(piped, ref)]
-    diff, worst = diffs[-1], max(diffs)
-    ok = len(piped) == len(ref) and diff <= a.tol * max(1.0, abs(ref[-1]))
-    print(f"wall: pipelined {pipe_s:.1f} s (incl. process start), single-process {ref_s:.1f} s")
-    print(f"final loss: pipelined {piped[-1]:.6f} | single-process {ref[-1]:.6f} | "
-          f"diff {diff:.2e} (max over {len(diffs)} steps {worst:.2e}, tol {a.tol:.0e}) "
-          f"{'MATCH' if ok else 'MISMATCH'}", flush=True)
-    return 0 if ok else 1
+    pipe_wall = f"{time.perf_counter() - t0:.1f} s (incl. process start)"
+    return 0 if _compare(a, opts, cfg, program, results, pipe_wall) else 1
