@@ -3,6 +3,7 @@
 #include "runtime/loopback.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
@@ -79,10 +80,6 @@ class LoopbackWork : public c10d::Work {
     }
     if (all) finish();
   }
-  bool isCompleted() override {
-    if (!polled_.exchange(true)) state_->log(rank_of_, LoopbackEvent{LoopbackEvent::Type::Sync, id_, false, {}});
-    return c10d::Work::isCompleted();
-  }
   bool wait(std::chrono::milliseconds timeout) override {
     state_->log(rank_of_, LoopbackEvent{LoopbackEvent::Type::Wait, id_, false, {}});
     if (state_->stream_waits) return true;
@@ -96,7 +93,6 @@ class LoopbackWork : public c10d::Work {
   std::mutex ops_mu_;
   int open_ = 0;
   bool sealed_ = false;
-  std::atomic<bool> polled_{false};
 };
 
 // Declares ModelsStreamWaits: P2P drives it as it drives NCCL, so the log is a GPU's.
@@ -107,6 +103,11 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
 
   const std::string getBackendName() const override { return "loopback"; }
   bool supportsCoalescing() const override { return true; }
+
+  void host_waits(const c10d::Work& work) override {
+    const auto* w = dynamic_cast<const LoopbackWork*>(&work);
+    state_->log(rank_, LoopbackEvent{LoopbackEvent::Type::Sync, w ? w->id() : -1, false, {}});
+  }
 
   void startCoalescing() override {
     ZB_CHECK(!group_, "loopback rank ", rank_, ": startCoalescing twice");
@@ -190,14 +191,17 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
 
 }  // namespace
 
-LoopbackWorld::LoopbackWorld(int size, bool stream_waits) : state_(std::make_shared<State>()) {
+LoopbackWorld::LoopbackWorld(int size, bool stream_waits, bool store) : state_(std::make_shared<State>()) {
   ZB_CHECK(size >= 1, "a loopback world needs at least one rank, got ", size);
   state_->size = size;
   state_->stream_waits = stream_waits;
   state_->logs.resize(size);
   state_->next_work.assign(size, 0);
+  c10::intrusive_ptr<c10d::Store> shared;
+  if (store) shared = c10::make_intrusive<c10d::HashStore>();
   for (int r = 0; r < size; ++r) {
-    auto pg = c10::make_intrusive<c10d::ProcessGroup>(r, size);
+    auto pg = shared ? c10::make_intrusive<c10d::ProcessGroup>(shared, r, size)
+                     : c10::make_intrusive<c10d::ProcessGroup>(r, size);
     auto backend = c10::make_intrusive<LoopbackBackend>(state_, r, size);
     pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, backend);
     pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
@@ -218,6 +222,14 @@ std::vector<LoopbackEvent> LoopbackWorld::events(int rank) const {
   ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->logs[rank];
+}
+
+int64_t LoopbackWorld::host_waits(int rank) const {
+  ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
+  std::lock_guard<std::mutex> lock(state_->mu);
+  int64_t n = 0;
+  for (const auto& e : state_->logs[rank]) n += e.type == LoopbackEvent::Type::Sync;
+  return n;
 }
 
 void LoopbackWorld::clear_events() {
