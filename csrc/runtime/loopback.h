@@ -5,7 +5,11 @@
 // and waits as it would on NCCL; and every call the ranks make on it is recorded per rank, in
 // issue order, for the model to replay under NCCL's rules (tests/nccl_model.py), with a count
 // per rank of the waits that block the host (what a GPU's host must not do before a step's
-// end). Not a transport for training: no timeouts of its own.
+// end). Messages may be CUDA tensors (the groups serve CPU and CUDA): a copy is then a kernel
+// on the copying rank's current stream, and a receive's Work::wait makes the caller's stream
+// wait for its copies' events, as a wait on NCCL makes it wait for the NCCL stream; so ranks
+// on their own streams of one GPU exercise stream waits and send lifetimes
+// (test_runtime_cuda.py). Not a transport for training: no timeouts of its own.
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
