@@ -202,6 +202,8 @@ void register_runtime(py::module_& m) {
       .def_property_readonly("size", &runtime::LoopbackWorld::size)
       .def("group", &runtime::LoopbackWorld::group, py::arg("rank"))
       .def("clear_events", &runtime::LoopbackWorld::clear_events)
+      .def("return_no_work", &runtime::LoopbackWorld::return_no_work, py::arg("on"),
+           "From now on posts get no work back (a broken backend, for tests).")
       .def("host_waits", &runtime::LoopbackWorld::host_waits, py::arg("rank"),
            "Times `rank`'s host blocked on a work (its 'sync' events) since clear_events.")
       .def("events", &loopback_events, py::arg("rank"),

@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <map>
@@ -68,6 +69,7 @@ struct LoopbackWorld::State {
   std::map<Key, std::deque<Pending>> receives;     // posted, not yet matched
   std::vector<std::vector<LoopbackEvent>> logs;    // per rank
   std::vector<int> next_work;                      // per rank
+  std::atomic<bool> no_work{false};                // return_no_work
 
   void log(int rank, LoopbackEvent e) {
     std::lock_guard<std::mutex> lock(mu);
@@ -164,6 +166,7 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
     state_->log(rank_, LoopbackEvent{LoopbackEvent::Type::Post, work->id(), true, std::move(group_ops_)});
     group_ops_.clear();
     work->seal();
+    if (state_->no_work) return {};
     return work;
   }
 
@@ -241,6 +244,7 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
     if (is_send) work->op_done();  // buffered: a send completes at once
     if (matched) matched->op_done();
     if (lone) work->seal();
+    if (state_->no_work && lone) return {};
     return work;
   }
 
@@ -284,6 +288,8 @@ std::vector<LoopbackEvent> LoopbackWorld::events(int rank) const {
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->logs[rank];
 }
+
+void LoopbackWorld::return_no_work(bool on) { state_->no_work = on; }
 
 int64_t LoopbackWorld::host_waits(int rank) const {
   ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);

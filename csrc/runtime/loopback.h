@@ -60,6 +60,9 @@ class LoopbackWorld {
   c10::intrusive_ptr<c10d::ProcessGroup> group(int rank);
   // What `rank` has called so far, in order.
   std::vector<LoopbackEvent> events(int rank) const;
+  // From now on the backend returns no work for a post (a broken backend, for tests: P2P must
+  // refuse it rather than skip the wait).
+  void return_no_work(bool on);
   // How many times `rank`'s host blocked on a work (its Sync events) since the last clear.
   int64_t host_waits(int rank) const;
   void clear_events();

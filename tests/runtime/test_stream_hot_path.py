@@ -9,12 +9,16 @@ device-to-host copy."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
 from helpers.hot_path import STEPS, STOP_TIMEOUT_S, WIDTH, Counting, Scale, loopback_steps, stopped_peer
+from helpers.loopback import run_threads
 
 import zbpipe
+from zbpipe import _C
 
 
 @pytest.mark.parametrize("name", ["1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"])
@@ -77,3 +81,26 @@ def test_a_stopped_peer_fails_the_other_through_the_store_while_the_host_runs_ah
     kind, msg, seconds = out[0]
     assert kind == "PipelineError" and msg.startswith("aborted because rank 1 failed"), out[0]
     assert seconds < STOP_TIMEOUT_S, seconds  # the store, not the timeout
+
+
+def test_a_backend_returning_no_work_is_refused_not_skipped():
+    world = _C._LoopbackWorld(2, store=True)
+    m = 2
+    barrier = threading.Barrier(2)
+
+    def rank_main(r):
+        stage = zbpipe.PipelineStage(Scale(r), r, 2, "cpu", group=world.group(r))
+        sched = zbpipe.Schedule1F1B(stage, m, loss_fn=F.mse_loss, stream_ordered=True, timeout=5.0)
+        x, y = torch.randn(2 * m, WIDTH), torch.randn(2 * m, WIDTH)
+        sched.step(*((x,) if r == 0 else ()), target=y if r == 1 else None)  # shapes, with works
+        barrier.wait(30)
+        world.return_no_work(True)
+        try:
+            sched.step(*((x,) if r == 0 else ()), target=y if r == 1 else None)
+        except Exception as e:  # noqa: BLE001 - the message is the point
+            return f"{type(e).__name__}: {e}"
+        return "ok"
+
+    out = run_threads(world, rank_main, timeout=60)
+    assert any("returned no work" in str(v) for v in out.values()), out
+    assert all(str(v).startswith("PipelineError") for v in out.values()), out
