@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# The short GPU check for a lent device machine (one GPU, minutes of time): builds zbpipe against
-# the CUDA torch there, runs the CUDA tests (one GPU: the NCCL pair tests skip) and a short
-# host-overhead benchmark on CUDA. Everything goes to stdout and, when OUT is set, to $OUT.
+# The short GPU check for a lent device machine (one GPU, minutes of time; under 10 minutes):
+# checks for Python.h, builds zbpipe against the CUDA torch there, runs the CUDA tests (one GPU:
+# the NCCL pair tests skip; pp=2 runs through the loopback group with CUDA tensors, each rank on
+# a stream of its own, so stream waits, send lifetimes and a failing peer's abort run on real
+# streams) and a short host-overhead benchmark on CUDA. Everything goes to stdout and, when OUT
+# is set, to $OUT.
 #   benchmarks/gpu_quick.sh          (the full check is benchmarks/gpu_check.sh)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +14,10 @@ py="$(command -v python3)"
 status=0
 nvidia-smi -L
 "$py" -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda, torch.cuda.is_available())"
+inc="$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])')"
+if [ ! -f "$inc/Python.h" ]; then
+  echo "no Python.h in $inc: install this Python's headers (e.g. apt-get install python3-dev) first"; exit 1
+fi
 t0=$SECONDS
 if ! { cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE="$py" \
        && cmake --build build/gpu -j"$(nproc)"; } >"$out/build.log" 2>&1; then

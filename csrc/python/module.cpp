@@ -201,10 +201,14 @@ void register_runtime(py::module_& m) {
   py::class_<runtime::LoopbackWorld>(m, "_LoopbackWorld",
       "In-process process groups that record every post and wait (tests, the NCCL model; see "
       "csrc/runtime/loopback.h).")
-      .def(py::init<int, bool>(), py::arg("size"), py::arg("stream_waits") = false)
+      .def(py::init<int, bool, bool>(), py::arg("size"), py::arg("stream_waits") = false, py::arg("store") = false)
       .def_property_readonly("size", &runtime::LoopbackWorld::size)
       .def("group", &runtime::LoopbackWorld::group, py::arg("rank"))
       .def("clear_events", &runtime::LoopbackWorld::clear_events)
+      .def("return_no_work", &runtime::LoopbackWorld::return_no_work, py::arg("on"),
+           "From now on posts get no work back (a broken backend, for tests).")
+      .def("host_waits", &runtime::LoopbackWorld::host_waits, py::arg("rank"),
+           "Times `rank`'s host blocked on a work (its 'sync' events) since clear_events.")
       .def("events", &loopback_events, py::arg("rank"),
            "Recorded calls of `rank`: (type, work, coalesced, ops) with type 'post', 'wait' or "
            "'sync' and ops [(\"send\"|\"recv\", peer, wire tag, bytes)] on posts.");

@@ -144,6 +144,7 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
     if (!e.concurrent) join_worker();  // an overlapped unit ends before what follows it
     if (e.on_worker) start_on_worker(i);
     else run_here(i);
+    check_comms(e.index, false);
   }
   join_worker();
   end_step();
@@ -208,8 +209,19 @@ void Executor::join_worker() {
   or_fail_step(index, [&] { worker_->join(); });  // rethrows what the backward half threw
 }
 
+void Executor::check_comms(int index, bool finish) {
+  try {
+    if (finish) comms_->finish();
+    else comms_->progress();
+  } catch (const LateBatch& ex) {  // the receive's action failed, not the one running now
+    fail_step(ex.owner >= 0 ? table_.comms[ex.owner].index : index, ex);
+  } catch (const std::exception& ex) {
+    fail_step(index, ex);
+  }
+}
+
 void Executor::end_step() {
-  or_fail_step(kStepEnd, [&] { comms_->finish(); });
+  check_comms(kStepEnd, true);
   clear_slots();  // every batch completed: drop the step's tensors
   timer_->collect(trace_);
 }

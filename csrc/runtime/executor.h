@@ -158,6 +158,9 @@ class Executor {
   void start_on_worker(size_t i);      // waits entry i's receive here, runs it on the worker
   void join_worker();                  // a failure of the worker's entry fails the step
   void end_step();                     // waits the sends, drops the step's tensors
+  // Between entries (never blocks) or at the step's end (finish): the step's messages seen
+  // complete, each by its deadline; a late one fails the step at its RECV action, else `index`.
+  void check_comms(int index, bool finish);
   // The verbs: one entry, no timing, no failure handling.
   void run_entry(const Entry& e, TraceRecord& rec);
   // run_entry bracketed by the stage's gradient sync when the entry is its last backward of
@@ -215,10 +218,15 @@ class Executor {
   // The first stage's rank sends the index of the step's input signature (`first_inputs`) to
   // every rank; a new signature runs the handshake (every rank learns it is new from the index).
   void negotiate_shapes(const Signature& first_inputs);
-  // The index of the step's input signature among shape_sets_ (its size: a new one), sent by
-  // the first stage's rank (which also sets `key` to `first_inputs`) and received by every
-  // other. Blocks on the receive (at most the timeout); throws PipelineError.
+  // The index of the step's input signature among shape_sets_ (its size: a new one), named by
+  // the first stage's rank (which also sets `key` to `first_inputs`) through the group's store,
+  // or as a message where the group has none. Blocks on it (at most the timeout); throws
+  // PipelineError.
   int64_t exchange_signature_index(const Signature& first_inputs, Signature& key);
+  // A non-first rank's read of the index through the store (see the note in
+  // executor_agreement.cpp). Blocks on the store only, at most the timeout; throws
+  // PipelineError, CommAborted when a peer failed.
+  int64_t read_signature_index(int r0);
   void adopt_shapes(int set);  // make shape set `set` the current one
 
   // ---- register_custom_function (executor_custom.cpp) -----------------------------------

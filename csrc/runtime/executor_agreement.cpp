@@ -7,6 +7,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
 #include <algorithm>
+#include <thread>
 
 #include "runtime/errors.h"
 #include "runtime/executor.h"
@@ -136,20 +137,49 @@ void Executor::negotiate_shapes(const Signature& first_inputs) {
   adopt_shapes(static_cast<int>(shape_sets_.size()) - 1);
 }
 
+namespace {
+
+// [Note: the step's signature through the store] Stage 0's rank names the step's input
+// signature (an index into the negotiated sets) under key "sig<step mod ring>" of its
+// executor's prefix as "<step>:<index>", and every other rank reads it there: no message on
+// the group, so no device-to-host copy (a received index would be read with .item(), which
+// on a GPU waits for everything queued on the compute stream, the optimizer step included)
+// and no one-element message per peer. A rank j steps ahead of stage 0's rank's writes only
+// once rank j has started every step up to its own, and stage 0's rank starts step s + pp
+// only after every rank has started step s (each step's messages chain the ranks: with
+// rendezvous sends, as on NCCL and Gloo, a step ends once its receivers reached it), so a ring
+// of 2 pp + 2 keys is never overwritten before it is read; a reader that finds a later step
+// there says so. A rank that reads blocks (on the store, never on the device) until stage 0's
+// rank has started the step, which costs nothing: its first action needs that rank's data.
+std::string signature_key(int64_t id, int64_t step, int pp) {
+  return detail::str("zbpipe/x", id, "/sig", step % (2 * pp + 2));
+}
+
+}  // namespace
+
 int64_t Executor::exchange_signature_index(const Signature& first_inputs, Signature& key) {
   const int r0 = program_.rank_of(0);
-  auto opts = at::TensorOptions().dtype(at::kLong).device(p2p_->device());
   if (rank_ == r0) {
     key = first_inputs;
     int64_t index = static_cast<int64_t>(shape_sets_.size());
     for (size_t i = 0; i < shape_sets_.size(); ++i)
       if (same(shape_sets_[i].key, key)) index = static_cast<int64_t>(i);
-    for (int r = 0; r < program_.pp; ++r)
-      if (r != rank_)  // waited at the end of the step, with the step's other sends
-        comms_->add_send(p2p_->post({P2POp{true, r, step_signature_tag(), at::full({1}, index, opts)}}));
+    if (program_.pp > 1) {
+      if (watch_) {  // a group with a store (every group but a storeless loopback world)
+        const std::string v = detail::str(steps_, ":", index);
+        p2p_->store()->set(signature_key(id_, steps_, program_.pp), std::vector<uint8_t>(v.begin(), v.end()));
+      } else {
+        auto opts = at::TensorOptions().dtype(at::kLong).device(p2p_->device());
+        for (int r = 0; r < program_.pp; ++r)
+          if (r != rank_)  // completed by the step's end, with the step's other sends (P2P::settle)
+            p2p_->post({P2POp{true, r, step_signature_tag(), at::full({1}, index, opts)}});
+      }
+    }
     return index;
   }
-  auto buf = at::empty({1}, opts);
+  if (watch_) return read_signature_index(r0);
+  // No store: the index travels as a message, read on the host.
+  auto buf = at::empty({1}, at::TensorOptions().dtype(at::kLong).device(p2p_->device()));
   auto batch = p2p_->post({P2POp{false, r0, step_signature_tag(), buf}});
   try {
     p2p_->wait(batch, options_.timeout, detail::str("the step's input signature from rank ", r0),
@@ -159,6 +189,32 @@ int64_t Executor::exchange_signature_index(const Signature& first_inputs, Signat
     throw;
   }
   return buf.cpu().item<int64_t>();  // a device backend: the host waits for it here
+}
+
+int64_t Executor::read_signature_index(int r0) {
+  auto store = p2p_->store();
+  const std::string key = signature_key(id_, steps_, program_.pp);
+  const auto deadline = std::chrono::steady_clock::now() + options_.timeout;
+  auto pause = std::chrono::microseconds(20);
+  while (true) {
+    check_stop();
+    if (store->check({key})) {
+      const auto raw = store->get(key);
+      const std::string v(raw.begin(), raw.end());
+      const auto colon = v.find(':');
+      ZB_CHECK(colon != std::string::npos, "bad step signature '", v, "' under ", key);
+      const int64_t step = std::stoll(v.substr(0, colon));
+      if (step == steps_) return std::stoll(v.substr(colon + 1));
+      ZB_CHECK(step < steps_, "rank ", global(r0), " is at step ", step, " while this rank starts step ", steps_,
+               ": it ran too far ahead (see [Note: the step's signature through the store])");
+    }
+    if (std::chrono::steady_clock::now() > deadline)
+      throw PipelineError(detail::str("no input signature for step ", steps_, " from rank ", global(r0), " within ",
+                                      options_.timeout.count() / 1000.0,
+                                      " s (stage 0's rank names it when it starts the step; it failed or stopped before)"));
+    std::this_thread::sleep_for(pause);
+    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+  }
 }
 
 void Executor::adopt_shapes(int set) {

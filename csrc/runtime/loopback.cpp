@@ -3,15 +3,22 @@
 #include "runtime/loopback.h"
 
 #include <torch/csrc/distributed/c10d/Backend.hpp>
+#include <torch/csrc/distributed/c10d/HashStore.hpp>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <cstring>
 #include <deque>
 #include <map>
 #include <mutex>
+#include <optional>
 #include <tuple>
 
+#include <ATen/core/LegacyTypeDispatch.h>
+#include <c10/core/Event.h>
+
+#include "runtime/device.h"
 #include "runtime/errors.h"
 #include "runtime/p2p.h"
 
@@ -21,12 +28,32 @@ namespace {
 class LoopbackWork;
 
 // Raw copy: a receive buffer may already be an autograd leaf when the data lands late (with
-// stream-like waits the receiver runs ahead), and the copy is transport, not computation.
-void deliver(const at::Tensor& dst, const at::Tensor& src) {
-  ZB_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes() && dst.is_cpu() && src.is_cpu(),
-           "loopback: a message of ", src.nbytes(), " bytes for a receive of ", dst.nbytes());
-  std::memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes());
+// stream-like waits the receiver runs ahead), and the copy is transport, not computation. On
+// a device (CUDA) the copy is a kernel on the copying thread's current stream, and the event
+// after it is what the receiver's stream waits on (LoopbackWork::wait) and isCompleted asks.
+std::optional<c10::Event> deliver(const at::Tensor& dst, const at::Tensor& src) {
+  ZB_CHECK(dst.is_contiguous() && src.is_contiguous() && dst.nbytes() == src.nbytes() &&
+               dst.device().type() == src.device().type(),
+           "loopback: a message of ", src.nbytes(), " bytes on ", src.device(), " for a receive of ", dst.nbytes(),
+           " on ", dst.device());
+  if (dst.is_cpu()) {
+    std::memcpy(dst.data_ptr(), src.data_ptr(), src.nbytes());
+    return std::nullopt;
+  }
+  {
+    at::AutoDispatchBelowADInplaceOrView below_autograd;  // no version bump, no graph
+    dst.copy_(src, /*non_blocking=*/true);
+  }
+  c10::Event done(dst.device().type());
+  done.record(current_stream(dst.device()));
+  return done;
 }
+
+// A message sent before its receive was posted: a copy, ready once its event has passed.
+struct Message {
+  at::Tensor data;
+  std::optional<c10::Event> ready;
+};
 }  // namespace
 
 struct LoopbackWorld::State {
@@ -38,10 +65,11 @@ struct LoopbackWorld::State {
   std::mutex mu;
   int size = 0;
   bool stream_waits = false;
-  std::map<Key, std::deque<at::Tensor>> messages;  // sent, not yet received
+  std::map<Key, std::deque<Message>> messages;     // sent, not yet received
   std::map<Key, std::deque<Pending>> receives;     // posted, not yet matched
   std::vector<std::vector<LoopbackEvent>> logs;    // per rank
   std::vector<int> next_work;                      // per rank
+  std::atomic<bool> no_work{false};                // return_no_work
 
   void log(int rank, LoopbackEvent e) {
     std::lock_guard<std::mutex> lock(mu);
@@ -79,14 +107,27 @@ class LoopbackWork : public c10d::Work {
     }
     if (all) finish();
   }
-  bool isCompleted() override {
-    if (!polled_.exchange(true)) state_->log(rank_of_, LoopbackEvent{LoopbackEvent::Type::Sync, id_, false, {}});
-    return c10d::Work::isCompleted();
+  // A device copy into one of its receive buffers (before that op is done).
+  void add_event(c10::Event e) {
+    std::lock_guard<std::mutex> lock(ops_mu_);
+    events_.push_back(std::move(e));
   }
+  bool isCompleted() override {
+    if (!c10d::Work::isCompleted()) return false;
+    std::lock_guard<std::mutex> lock(ops_mu_);
+    for (auto& e : events_)
+      if (!e.query()) return false;
+    return true;
+  }
+  // The caller's stream waits for the copies; the host waits until every op is matched
+  // (unless stream_waits: a device stream cannot wait for an event not yet recorded).
   bool wait(std::chrono::milliseconds timeout) override {
     state_->log(rank_of_, LoopbackEvent{LoopbackEvent::Type::Wait, id_, false, {}});
-    if (state_->stream_waits) return true;
-    return c10d::Work::wait(timeout);
+    bool ok = true;
+    if (!state_->stream_waits) ok = c10d::Work::wait(timeout);
+    std::lock_guard<std::mutex> lock(ops_mu_);
+    for (auto& e : events_) e.block(current_stream(c10::Device(e.device_type(), e.device_index())));
+    return ok;
   }
   int id() const { return id_; }
 
@@ -96,7 +137,7 @@ class LoopbackWork : public c10d::Work {
   std::mutex ops_mu_;
   int open_ = 0;
   bool sealed_ = false;
-  std::atomic<bool> polled_{false};
+  std::vector<c10::Event> events_;  // device copies into its receive buffers
 };
 
 // Declares ModelsStreamWaits: P2P drives it as it drives NCCL, so the log is a GPU's.
@@ -107,6 +148,11 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
 
   const std::string getBackendName() const override { return "loopback"; }
   bool supportsCoalescing() const override { return true; }
+
+  void host_waits(const c10d::Work& work) override {
+    const auto* w = dynamic_cast<const LoopbackWork*>(&work);
+    state_->log(rank_, LoopbackEvent{LoopbackEvent::Type::Sync, w ? w->id() : -1, false, {}});
+  }
 
   void startCoalescing() override {
     ZB_CHECK(!group_, "loopback rank ", rank_, ": startCoalescing twice");
@@ -120,6 +166,7 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
     state_->log(rank_, LoopbackEvent{LoopbackEvent::Type::Post, work->id(), true, std::move(group_ops_)});
     group_ops_.clear();
     work->seal();
+    if (state_->no_work) return {};
     return work;
   }
 
@@ -154,6 +201,7 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
       group_ops_.push_back(op);
     }
     c10::intrusive_ptr<LoopbackWork> matched;  // a receive this send completes
+    std::optional<c10::Event> copied;          // its device copy
     {
       std::lock_guard<std::mutex> lock(state_->mu);
       if (is_send) {
@@ -161,25 +209,42 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
         if (!waiting.empty()) {
           auto r = std::move(waiting.front());
           waiting.pop_front();
-          deliver(r.buffer, t);
+          copied = deliver(r.buffer, t);  // on the sender's stream, after what made `t`
           matched = std::move(r.work);
         } else {
-          state_->messages[{rank_, peer, tag}].push_back(t.detach().clone().contiguous());
+          Message m;
+          {
+            at::AutoDispatchBelowADInplaceOrView below_autograd;
+            m.data = t.detach().clone().contiguous();
+          }
+          if (!m.data.is_cpu()) {
+            m.ready.emplace(m.data.device().type());
+            m.ready->record(current_stream(m.data.device()));
+          }
+          state_->messages[{rank_, peer, tag}].push_back(std::move(m));
         }
       } else {
         auto& sent = state_->messages[{peer, rank_, tag}];
         if (!sent.empty()) {
-          deliver(tensors[0], sent.front());
+          Message m = std::move(sent.front());
           sent.pop_front();
+          if (m.ready) {  // this stream copies it once it is made, and holds it until copied
+            const c10::Stream here = current_stream(tensors[0].device());
+            m.ready->block(here);
+            record_on_stream(m.data, here);
+          }
+          copied = deliver(tensors[0], m.data);
           matched = work;
         } else {
           state_->receives[{peer, rank_, tag}].push_back({tensors[0], work});
         }
       }
     }
+    if (copied) matched->add_event(std::move(*copied));
     if (is_send) work->op_done();  // buffered: a send completes at once
     if (matched) matched->op_done();
     if (lone) work->seal();
+    if (state_->no_work && lone) return {};
     return work;
   }
 
@@ -190,16 +255,20 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
 
 }  // namespace
 
-LoopbackWorld::LoopbackWorld(int size, bool stream_waits) : state_(std::make_shared<State>()) {
+LoopbackWorld::LoopbackWorld(int size, bool stream_waits, bool store) : state_(std::make_shared<State>()) {
   ZB_CHECK(size >= 1, "a loopback world needs at least one rank, got ", size);
   state_->size = size;
   state_->stream_waits = stream_waits;
   state_->logs.resize(size);
   state_->next_work.assign(size, 0);
+  c10::intrusive_ptr<c10d::Store> shared;
+  if (store) shared = c10::make_intrusive<c10d::HashStore>();
   for (int r = 0; r < size; ++r) {
-    auto pg = c10::make_intrusive<c10d::ProcessGroup>(r, size);
+    auto pg = shared ? c10::make_intrusive<c10d::ProcessGroup>(shared, r, size)
+                     : c10::make_intrusive<c10d::ProcessGroup>(r, size);
     auto backend = c10::make_intrusive<LoopbackBackend>(state_, r, size);
     pg->setBackend(c10::DeviceType::CPU, c10d::ProcessGroup::BackendType::CUSTOM, backend);
+    pg->setBackend(c10::DeviceType::CUDA, c10d::ProcessGroup::BackendType::CUSTOM, backend);  // CUDA tensors
     pg->setDefaultBackend(c10d::ProcessGroup::BackendType::CUSTOM);
     groups_.push_back(std::move(pg));
   }
@@ -218,6 +287,16 @@ std::vector<LoopbackEvent> LoopbackWorld::events(int rank) const {
   ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->logs[rank];
+}
+
+void LoopbackWorld::return_no_work(bool on) { state_->no_work = on; }
+
+int64_t LoopbackWorld::host_waits(int rank) const {
+  ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
+  std::lock_guard<std::mutex> lock(state_->mu);
+  int64_t n = 0;
+  for (const auto& e : state_->logs[rank]) n += e.type == LoopbackEvent::Type::Sync;
+  return n;
 }
 
 void LoopbackWorld::clear_events() {

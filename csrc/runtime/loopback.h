@@ -3,8 +3,13 @@
 // receiver, tag) as on Gloo and a send completes at once (buffered); the backend supports
 // coalescing, as NCCL does, and declares ModelsStreamWaits (p2p.h), so a P2P over it posts
 // and waits as it would on NCCL; and every call the ranks make on it is recorded per rank, in
-// issue order, for the model to replay under NCCL's rules (tests/nccl_model.py). Not a
-// transport for training: no timeouts of its own.
+// issue order, for the model to replay under NCCL's rules (tests/nccl_model.py), with a count
+// per rank of the waits that block the host (what a GPU's host must not do before a step's
+// end). Messages may be CUDA tensors (the groups serve CPU and CUDA): a copy is then a kernel
+// on the copying rank's current stream, and a receive's Work::wait makes the caller's stream
+// wait for its copies' events, as a wait on NCCL makes it wait for the NCCL stream; so ranks
+// on their own streams of one GPU exercise stream waits and send lifetimes
+// (test_runtime_cuda.py). Not a transport for training: no timeouts of its own.
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
@@ -32,7 +37,7 @@ struct LoopbackEvent {
   enum class Type : uint8_t {
     Post,  // ops issued: one lone op, or a whole coalesced group at endCoalescing
     Wait,  // Work::wait: the caller's stream (here: the caller) is ordered after the work
-    Sync,  // first Work::isCompleted poll of a work: the host waits for it
+    Sync,  // the host blocks until the work completes (ModelsStreamWaits::host_waits)
   };
   Type type = Type::Post;
   int work = -1;
@@ -44,14 +49,22 @@ class LoopbackWorld {
  public:
   // `stream_waits`: Work::wait returns at once, as a wait on a device stream does, so the
   // caller's host runs ahead as on an accelerator -- its data may not have arrived yet, so
-  // only for failure tests. Default: Work::wait blocks until the work is complete.
-  explicit LoopbackWorld(int size, bool stream_waits = false);
+  // only for failure tests. Default: Work::wait blocks until the work is complete (the CPU
+  // "stream" is the caller). `store`: the groups share an in-process store, as real groups
+  // do (failure propagation, program agreement and the step's signature go through it);
+  // without one those are off, and the signature travels as a message.
+  explicit LoopbackWorld(int size, bool stream_waits = false, bool store = false);
   ~LoopbackWorld();
   int size() const;
   // The process group of `rank` (one per rank; the same object on every call).
   c10::intrusive_ptr<c10d::ProcessGroup> group(int rank);
   // What `rank` has called so far, in order.
   std::vector<LoopbackEvent> events(int rank) const;
+  // From now on the backend returns no work for a post (a broken backend, for tests: P2P must
+  // refuse it rather than skip the wait).
+  void return_no_work(bool on);
+  // How many times `rank`'s host blocked on a work (its Sync events) since the last clear.
+  int64_t host_waits(int rank) const;
   void clear_events();
 
   struct State;

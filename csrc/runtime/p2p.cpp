@@ -11,14 +11,16 @@
 #include <mutex>
 #include <thread>
 
+#include "runtime/device.h"
 #include "runtime/errors.h"
 
 namespace zbpipe::runtime {
 
 struct Batch {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
-  std::vector<at::Tensor> tensors;  // alive until the batch completes
-  bool done = false;                // waited (for the host, or for the current stream)
+  std::vector<at::Tensor> tensors;  // receive buffers (and Completion::Host sends) until complete
+  bool done = false;                // seen complete: works and tensors released
+  std::vector<c10::Stream> streams;  // Completion::Stream: the streams ordered after it
 };
 
 int wire_tag(int tag, int sender, int receiver) {
@@ -43,6 +45,7 @@ P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device, P2POptio
   const bool stream_waits =
       !device_.is_cpu() || (backend && dynamic_cast<const ModelsStreamWaits*>(backend.get()) != nullptr);
   completion_ = matching_ == Matching::IssueOrder && stream_waits ? Completion::Stream : Completion::Host;
+  model_ = dynamic_cast<ModelsStreamWaits*>(backend.get());
 }
 
 P2P::~P2P() = default;
@@ -56,7 +59,10 @@ std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
     ZB_CHECK(op.peer >= 0 && op.peer < size_ && op.peer != rank_, "bad peer rank ", op.peer,
              " for rank ", rank_, " in a group of ", size_);
     const int tag = wire_tag(op.tag, op.is_send ? rank_ : op.peer, op.is_send ? op.peer : rank_);
-    return op.is_send ? pg_->send(one, op.peer, tag) : pg_->recv(one, op.peer, tag);
+    auto work = op.is_send ? pg_->send(one, op.peer, tag) : pg_->recv(one, op.peer, tag);
+    ZB_CHECK(work || (can_coalesce_ && (ops.size() > 1 || matching_ == Matching::IssueOrder)), "backend ",
+             backend_name_, " returned no work for a ", op.is_send ? "send to" : "receive from", " rank ", op.peer);
+    return work;
   };
   // Issue order: a lone op would travel over another communicator than a coalesced one (and
   // its peer may well batch the same message with others), so every batch is coalesced.
@@ -68,12 +74,20 @@ std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
       pg_->endCoalescing(device_.type());
       throw;
     }
-    batch->works.push_back(pg_->endCoalescing(device_.type()));
+    auto work = pg_->endCoalescing(device_.type());
+    ZB_CHECK(work, "backend ", backend_name_, " returned no work for a coalesced batch of ", ops.size(), " ops");
+    batch->works.push_back(std::move(work));
   } else {
     for (auto& op : ops) batch->works.push_back(issue(op));
   }
-  for (auto& op : ops) batch->tensors.push_back(std::move(op.tensor));
+  bool sends = false;
+  for (auto& op : ops) {
+    sends = sends || op.is_send;
+    // A stream-ordered backend recorded the sent tensor on its stream: ours is not needed.
+    if (!op.is_send || completion_ == Completion::Host) batch->tensors.push_back(std::move(op.tensor));
+  }
   track_live(batch);
+  if (sends) watch(batch);  // completed by progress or settle, whether waited or not
   return batch;
 }
 
@@ -92,10 +106,10 @@ void P2P::abandon_watched() {
 
 namespace {
 [[noreturn]] void wait_failed(const std::string& what, const std::string& backend,
-                              std::chrono::milliseconds timeout, const std::string& why) {
-  throw PipelineError(::zbpipe::detail::str(
+                              std::chrono::milliseconds timeout, const std::string& why, int owner) {
+  throw LateBatch(::zbpipe::detail::str(
       "waiting for ", what, " failed on backend ", backend, " (timeout ", timeout.count() / 1000.0,
-      " s; a peer may have died or diverged): ", why));
+      " s; a peer may have died or diverged): ", why), owner);
 }
 [[noreturn]] void aborted_wait(const std::string& what) {
   throw CommAborted(::zbpipe::detail::str("waiting for ", what, " was aborted (a peer failed)"));
@@ -117,13 +131,12 @@ void P2P::translated(const Watched& w, F&& f) {
     throw;
   } catch (const std::exception& e) {
     if (aborted_) aborted_wait(w.what);
-    wait_failed(w.what, backend_name_, w.timeout, e.what());
+    wait_failed(w.what, backend_name_, w.timeout, e.what(), w.owner);
   }
 }
 
 void P2P::complete_on_host(Watched& w) {
   for (auto& work : w.batch->works) {
-    if (!work) continue;
     bool completed = false;
     translated(w, [&] {
       // Gloo completes a work in Work::wait (its isCompleted stays false until then): wait
@@ -139,12 +152,12 @@ void P2P::complete_on_host(Watched& w) {
 void P2P::poll(Watched& w) {
   if (aborted_) aborted_wait(w.what);
   for (auto& work : w.batch->works) {
-    if (!work) continue;
+    if (model_) model_->host_waits(*work);
     translated(w, [&] {
       for (int spins = 0; !work->isCompleted(); ++spins) {
         if (aborted_) aborted_wait(w.what);
         if (std::chrono::steady_clock::now() > w.deadline)
-          wait_failed(w.what, backend_name_, w.timeout, "not complete by its deadline");
+          wait_failed(w.what, backend_name_, w.timeout, "not complete by its deadline", w.owner);
         if (spins < 64) {
           std::this_thread::yield();
         } else {
@@ -157,32 +170,88 @@ void P2P::poll(Watched& w) {
   finish(*w.batch);
 }
 
+bool P2P::probe(Watched& w) {
+  if (aborted_) aborted_wait(w.what);
+  bool complete = true;
+  translated(w, [&] {
+    for (auto& work : w.batch->works) {
+      if (!work->isCompleted()) {
+        complete = false;
+        return;
+      }
+      if (auto e = work->exception()) std::rethrow_exception(e);
+    }
+  });
+  if (complete) {
+    finish(*w.batch);
+    return true;
+  }
+  if (std::chrono::steady_clock::now() > w.deadline)
+    wait_failed(w.what, backend_name_, w.timeout, "not complete by its deadline", w.owner);
+  return false;
+}
+
+P2P::Watched& P2P::watch(const std::shared_ptr<Batch>& batch) {
+  for (auto& w : watched_)
+    if (w.batch == batch) return w;
+  watched_.push_back(Watched{batch, std::chrono::steady_clock::time_point::max(), std::chrono::milliseconds(0),
+                             "a send of this step", -1});
+  return watched_.back();
+}
+
 void P2P::wait(const std::shared_ptr<Batch>& batch, std::chrono::milliseconds timeout,
-               const std::string& what, bool host_complete) {
+               const std::string& what, bool host_complete, int owner) {
   ZB_CHECK(batch, "waiting on no batch (", what, ")");
   if (batch->done) return;
   if (aborted_) aborted_wait(what);
-  Watched w{batch, std::chrono::steady_clock::now() + timeout, timeout, what};
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
   if (completion_ == Completion::Host) {
-    complete_on_host(w);
+    Watched w{batch, deadline, timeout, what, owner};
+    complete_on_host(w);  // a watched send batch is then done: progress and settle drop it
     return;
   }
-  translated(w, [&] {
-    for (auto& work : batch->works)
-      if (work) work->wait();  // the current stream waits; the host does not
-  });
+  Watched& w = watch(batch);  // deque: the reference survives later push_backs
+  if (w.deadline == std::chrono::steady_clock::time_point::max()) {
+    w.deadline = deadline;
+    w.timeout = timeout;
+    w.what = what;
+    w.owner = owner;
+  }
+  // Per stream: a batch waited on one stream is not yet ordered before another's work.
+  const c10::Stream stream = current_stream(device_);
+  if (std::find(batch->streams.begin(), batch->streams.end(), stream) == batch->streams.end()) {
+    translated(w, [&] {
+      for (auto& work : batch->works) work->wait();  // the current stream waits; the host does not
+    });
+    batch->streams.push_back(stream);
+  }
   if (host_complete) poll(w);
-  else watched_.push_back(std::move(w));
-  batch->done = true;
-  while (watched_.size() > 1) {  // the host runs at most one wait ahead of the device
-    poll(watched_.front());
-    watched_.pop_front();
+}
+
+void P2P::progress() {
+  for (auto it = watched_.begin(); it != watched_.end();) {
+    // Gloo completes a work only in Work::wait: there is nothing to see without blocking.
+    if (it->batch->done || (completion_ == Completion::Stream && probe(*it))) {
+      it = watched_.erase(it);
+    } else {
+      ++it;
+    }
   }
 }
 
-void P2P::settle() {
+void P2P::settle(std::chrono::milliseconds timeout) {
+  const auto now = std::chrono::steady_clock::now();
+  for (auto& w : watched_)
+    if (w.deadline == std::chrono::steady_clock::time_point::max()) {
+      w.deadline = now + timeout;
+      w.timeout = timeout;
+    }
   while (!watched_.empty()) {
-    poll(watched_.front());
+    Watched& w = watched_.front();
+    if (!w.batch->done) {
+      if (completion_ == Completion::Host) complete_on_host(w);
+      else if (!probe(w)) poll(w);  // the host blocks only on what is not complete yet
+    }
     watched_.pop_front();
   }
 }

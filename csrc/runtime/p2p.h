@@ -17,9 +17,12 @@
 #include <string>
 #include <vector>
 
+#include "runtime/errors.h"
+
 namespace c10d {
 class ProcessGroup;
 class Store;
+class Work;
 }
 
 namespace zbpipe::runtime {
@@ -42,8 +45,16 @@ struct P2POp {
 // on different connections and transport threads. With one device it changes nothing.
 int wire_tag(int tag, int sender, int receiver);
 
-// A posted batch (opaque: holds the c10d works and keeps its tensors alive until waited).
+// A posted batch (opaque: holds the c10d works and its receive buffers until seen complete).
 struct Batch;
+
+// A waited batch that failed or missed its deadline, seen by wait, progress or settle: the
+// PipelineError names the wait; `owner` is what its waiter passed (-1: none, e.g. a send).
+class LateBatch : public PipelineError {
+ public:
+  LateBatch(const std::string& what, int owner) : PipelineError(what), owner(owner) {}
+  int owner;
+};
 
 struct P2POptions {
   // Post as on a stream-ordered backend (NCCL): Matching::IssueOrder, whatever the backend.
@@ -82,6 +93,9 @@ enum class Completion : uint8_t {
 class ModelsStreamWaits {
  public:
   virtual ~ModelsStreamWaits() = default;
+  // P2P is about to block the host until `work` completes (a poll loop, invisible to an
+  // accelerator backend): what the model counts as a host-blocking wait.
+  virtual void host_waits(const c10d::Work& work) = 0;
 };
 
 // Not thread-safe, except abort_all and aborted (the failure watcher calls them).
@@ -102,25 +116,36 @@ class P2P {
   Completion completion() const { return completion_; }
   bool stream_ordered() const { return matching_ == Matching::IssueOrder; }
 
-  // Posts `ops` (non-empty) as one batch and returns it; the batch keeps the tensors alive.
-  // Coalesced as `matching()` says. Does not block; throws CommAborted once aborted, what the
-  // backend throws otherwise.
+  // Posts `ops` (non-empty) as one batch and returns it. Coalesced as `matching()` says. A
+  // batch holding sends is watched until seen complete (see progress, settle). Completion::
+  // Stream drops the sent tensors at once: the backend records them on its stream
+  // (ProcessGroupNCCL records every P2P tensor on its NCCL stream), so they are freed as soon
+  // as nothing else holds them; Completion::Host keeps them until the batch completes (Gloo's
+  // send work holds them anyway). Receive buffers stay in the batch until it completes. Does
+  // not block; throws CommAborted once aborted, zbpipe::Error when the backend returns no work,
+  // what the backend throws otherwise.
   std::shared_ptr<Batch> post(std::vector<P2POp> ops);
 
-  // Completes `batch` for the current stream (idempotent). `what` (e.g. "1RECV_F0 from rank
-  // 0") goes into the error message. Throws PipelineError when the batch fails or misses its
-  // deadline (now + `timeout`), CommAborted once aborted.
+  // Completes `batch` for the current stream (idempotent per stream). `what` (e.g. "1RECV_F0
+  // from rank 0") goes into the error message. Throws PipelineError when the batch fails or
+  // misses its deadline (now + `timeout`), CommAborted once aborted.
   //  - Completion::Host: blocks the host until the batch completes or its deadline;
-  //  - Completion::Stream: makes the current stream wait on the batch, then polls until every
-  //    batch waited before the last one has completed, each against its own deadline. The
-  //    host thus runs at most one wait ahead of the device. `host_complete` polls this batch
-  //    too (a host read). A host that blocks elsewhere meanwhile (a sync inside a stage, a
-  //    full launch queue) is bounded only by the process group's own timeout.
+  //  - Completion::Stream: makes the current stream wait on the batch and returns: the host
+  //    never blocks here, however far it runs ahead of the device. The batch is watched
+  //    against its deadline by progress (between actions) and settle (the step's end).
+  //    `host_complete` blocks until this batch completes (a host read of its data). A host
+  //    that blocks elsewhere (a sync inside a stage, a full launch queue) is bounded only by
+  //    the process group's own timeout.
   void wait(const std::shared_ptr<Batch>& batch, std::chrono::milliseconds timeout,
-            const std::string& what, bool host_complete = false);
-  // Polls every batch still watched (see wait) to completion or its deadline: a step's end.
-  // Blocks; throws as wait does.
-  void settle();
+            const std::string& what, bool host_complete = false, int owner = -1);
+  // Never blocks: releases every watched batch seen complete (its works and buffers), and
+  // throws as wait does for a waited one past its deadline. Completion::Host: nothing to see
+  // (Gloo completes a work only in its wait).
+  void progress();
+  // The step's end: completes every watched batch, each by its deadline (a batch never waited,
+  // i.e. sends, by now + `timeout`). Blocks only on batches not yet seen complete; throws as
+  // wait does.
+  void settle(std::chrono::milliseconds timeout = std::chrono::minutes(5));
   // The process group's c10d store (every group has one; null only for a group built without).
   c10::intrusive_ptr<c10d::Store> store() const;
 
@@ -144,9 +169,13 @@ class P2P {
     std::chrono::steady_clock::time_point deadline;
     std::chrono::milliseconds timeout;
     std::string what;
+    int owner = -1;  // the waiter's (LateBatch::owner)
   };
   void complete_on_host(Watched& w);  // Completion::Host: Work::wait until the deadline
   void poll(Watched& w);              // Completion::Stream: isCompleted until the deadline
+  bool probe(Watched& w);             // Completion::Stream: complete now? (never blocks)
+  // The watched entry of `batch`, added (never waited: no deadline yet) when it has none.
+  Watched& watch(const std::shared_ptr<Batch>& batch);
   // Runs `f` (a backend call on `w`'s batch), turning what it throws into the wait's error.
   template <typename F>
   void translated(const Watched& w, F&& f);
@@ -161,7 +190,10 @@ class P2P {
   Matching matching_ = Matching::Tag;
   Completion completion_ = Completion::Host;
   std::string backend_name_;
-  std::deque<Watched> watched_;  // Completion::Stream: waited for the stream, not yet seen complete
+  // Posted sends and (Completion::Stream) waited batches, not yet seen complete, in post or
+  // wait order; a batch never waited has deadline time_point::max() until settle.
+  std::deque<Watched> watched_;
+  ModelsStreamWaits* model_ = nullptr;  // the backend, when it models stream waits (owned by pg_)
   // Posted batches that abort_all may have to abort (pruned of finished ones as posts go).
   std::mutex live_mu_;
   std::vector<std::weak_ptr<Batch>> live_;

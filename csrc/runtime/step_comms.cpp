@@ -47,7 +47,6 @@ void StepComms::begin(bool prepost, std::chrono::milliseconds timeout) {
 
 void StepComms::post(const Entry& e) {
   std::vector<P2POp> ops;
-  bool has_send = false;
   for (int c = e.comm_begin; c < e.comm_end; ++c) {
     const Comm& k = comms_[c];
     if (is_recv(k.kind)) {
@@ -59,8 +58,7 @@ void StepComms::post(const Entry& e) {
     auto& outs = k.kind == Kind::SEND_F ? sl.fwd_out : sl.grad_out;
     for (size_t i = 0; i < outs.size(); ++i)
       ops.push_back(P2POp{true, k.peer, k.tag + static_cast<int>(i), outs[i].contiguous()});
-    outs.clear();
-    has_send = true;
+    outs.clear();  // the batch alone holds them now, and only as long as P2P::post says
   }
   if (ops.empty()) return;
   auto batch = p2p_.post(std::move(ops));
@@ -71,27 +69,22 @@ void StepComms::post(const Entry& e) {
         in.pending = batch;
         in.comm = c;
       }
-  if (has_send) sends_.push_back(std::move(batch));
 }
 
 void StepComms::wait(Inbox& in, int64_t& wait_ns) {
   if (!in.pending) return;  // an empty message (nothing differentiable crossed)
   const int64_t t0 = now_ns();
-  p2p_.wait(in.pending, timeout_, comms_[in.comm].desc);
+  p2p_.wait(in.pending, timeout_, comms_[in.comm].desc, /*host_complete=*/false, in.comm);
   wait_ns += now_ns() - t0;
   in.pending.reset();
 }
 
 void StepComms::finish() {
-  for (auto& b : sends_) p2p_.wait(b, timeout_, "a send of this step");
-  p2p_.settle();  // stream-ordered: every wait of the step seen complete, each by its deadline
-  sends_.clear();
+  p2p_.settle(timeout_);  // every send and stream wait of the step seen complete, by its deadline
 }
 
 void StepComms::abandon() {
-  p2p_.abandon_watched();
-  for (auto& b : sends_) P2P::abandon(std::move(b));
-  sends_.clear();
+  p2p_.abandon_watched();  // the sends too
   for (auto& stage : stages_)
     for (auto& sl : stage.slots) {
       P2P::abandon(std::move(sl.fwd_in.pending));

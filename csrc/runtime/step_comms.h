@@ -1,6 +1,7 @@
 // The communication of one step: posts the dispatch table's comm batches, keeps each posted
-// receive in its slot's inbox until the compute that needs it waits, holds the sends until
-// the step's end, and after a failure abandons everything still in flight.
+// receive in its slot's inbox until the compute that needs it waits, leaves the sends to P2P
+// (which releases each as soon as it may: see P2P::post), and after a failure abandons
+// everything still in flight.
 #pragma once
 
 #include <chrono>
@@ -30,13 +31,15 @@ class StepComms {
   // Does not block; throws what P2P::post throws.
   void post(const Entry& e);
   // Completes the receive pending in `in` (none: returns at once) and adds the time spent to
-  // `wait_ns`. Blocks as P2P::wait does (at most the step's timeout); throws PipelineError on
-  // timeout or a peer's failure, CommAborted once aborted.
+  // `wait_ns`. Blocks as P2P::wait does (at most the step's timeout; never on a stream-ordered
+  // backend); throws LateBatch (owner: the receive's index in comms) on timeout or a peer's
+  // failure, CommAborted once aborted.
   void wait(Inbox& in, int64_t& wait_ns);
-  // A send posted outside the table (the step's signature message), waited at the step's end.
-  void add_send(std::shared_ptr<Batch> batch) { sends_.push_back(std::move(batch)); }
+  // Between actions: releases what completed, checks the deadlines (P2P::progress). Never
+  // blocks; throws as wait does.
+  void progress() { p2p_.progress(); }
   // The step's end: blocks until every send completed and every stream wait settled (each
-  // by its deadline). Throws PipelineError as wait does.
+  // by its deadline). Throws LateBatch as wait does.
   void finish();
   // After a failure: every unfinished batch is kept alive for the rest of the process (see
   // P2P::abandon) and the inboxes are emptied. Never throws. The caller clears the slots.
@@ -53,7 +56,6 @@ class StepComms {
   std::vector<LocalStage>& stages_;
   bool preposted_ = false;
   std::chrono::milliseconds timeout_{0};
-  std::vector<std::shared_ptr<Batch>> sends_;  // posted batches holding sends, until finish()
 };
 
 }  // namespace zbpipe::runtime

@@ -2,7 +2,10 @@
 dualpipev with and without OVERLAP_F_B overlap, ...), exact against a CPU reference, with
 per-action device timing through c10 events; with two GPUs, NCCL P2P (device_id bound, every
 batch coalesced, waits polled to a deadline): exactness for several schedules and a stopped
-peer failing the other rank in bounded time. Skipped without a GPU (the CPU torch of CI has
+peer failing the other rank in bounded time; pp=2 on one GPU through the loopback group (each
+rank on a stream of its own, the group's copies kernels and its waits CUDA events): exact, no
+host-blocking wait nor host read in a steady step, sends released when posted, a stopped peer
+failing the other within the timeout. Skipped without a GPU (the CPU torch of CI has
 none); benchmarks/gpu_check.sh runs this file on a GPU machine."""
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers.asserts import assert_grads_close
+from helpers.hot_path import STOP_TIMEOUT_S, loopback_steps, stopped_peer
 from helpers.model_registry import build, call_chain, data
 from zbpipe.train.launcher import LocalWorld
 
@@ -154,3 +158,29 @@ def test_nccl_stopped_peer_fails_the_other_in_bounded_time(nccl_world):
     kind, msg, seconds = nccl_world.run(_nccl_step, "1f1b", 1, timeout_s=240)[0]
     assert kind == "PipelineError" and "from rank 1" in msg, (kind, msg)  # a timeout or NCCL's own error
     assert seconds < 3 * 5.0 + 30, seconds
+
+
+# ---- pp=2 on one GPU through the loopback group (the stream-ordered path on real streams) ----
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv", "dualpipev"])
+def test_pp2_on_one_gpu_through_the_loopback_group(name):
+    # Two ranks on one GPU, each computing on a stream of its own; the loopback group's copies
+    # are kernels and its waits CUDA events (csrc/runtime/loopback.h). Exact, the host never
+    # blocks on a message in a steady step, nothing read on the host, and a rank's peak of
+    # saved activations and boundary buffers (sends released when posted) is the model's.
+    prog, out = loopback_steps(name, 2, 4, track=True, device="cuda")
+    for r, res in sorted(out.items()):
+        assert res["host_waits"] == 0 and res["host_reads"] == 0, (name, r, res["host_waits"], res["host_reads"])
+        tr = res["tracker"]
+        mem_f = [float(tr.per_forward[0])] * prog.num_stages
+        assert max(tr.snapshots) == zbpipe.simulate(prog, mem_f=mem_f).peak_memory[r], (name, r, tr.snapshots)
+        assert not tr.live(), (name, r, tr.live())
+
+
+def test_pp2_on_one_gpu_a_stopped_peer_fails_the_other_within_the_timeout():
+    out = stopped_peer("cuda")
+    assert out[1][0] == "PipelineError" and "this rank stops here" in out[1][1], out[1]
+    kind, msg, seconds = out[0]
+    assert kind == "PipelineError" and "rank 1" in msg, out[0]
+    assert seconds < STOP_TIMEOUT_S + 10, seconds
