@@ -110,10 +110,20 @@ def test_under_torchrun_it_joins_the_world_of_the_environment():
 
 
 def test_under_torchrun_the_world_must_be_the_pipeline(monkeypatch, capsys):
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
+    for k, v in dict(WORLD_SIZE="2", RANK="0", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT="29500").items():
+        monkeypatch.setenv(k, v)
     assert cli_main(["bench", "--pp", "4", "--schedules", "1f1b"]) == 2
     assert "WORLD_SIZE=2 but --pp=4" in capsys.readouterr().err
+
+
+def test_under_torchrun_variables_set_in_part_are_named(monkeypatch, capsys):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for k in ("LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(k, raising=False)
+    assert cli_main(["bench", "--pp", "2", "--schedules", "1f1b"]) == 2
+    err = capsys.readouterr().err
+    assert "set only in part" in err and "MASTER_PORT" in err
 
 
 def test_run_returns_the_rows_of_a_checked_config(monkeypatch):
@@ -126,3 +136,29 @@ def test_run_returns_the_rows_of_a_checked_config(monkeypatch):
     monkeypatch.setattr(run_mod, "measure", fake_measure)
     assert run(pp=2, schedules=["1f1b"], f=[3.0]) == [{"schedule": "1f1b"}]
     assert seen["cfg"].f == [3.0, 3.0] and seen["cfg"].pp == 2
+
+
+def _groups_of_the_libraries(rank, world):
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    from zbpipe.bench.config import BenchConfig
+    from zbpipe.bench.worker import _torch_group
+
+    before = os.environ.get("GLOO_SOCKET_IFNAME")
+    group = _torch_group(BenchConfig(pp=world, libs=["zbpipe", "torch"]), torch.device("cpu"))
+    devices = lambda g: len(g._get_backend(torch.device("cpu")).options._devices)  # noqa: E731
+    out = (devices(dist.group.WORLD), devices(group), os.environ.get("GLOO_SOCKET_IFNAME") == before)
+    none_without_torch = _torch_group(BenchConfig(pp=world, libs=["zbpipe"]), torch.device("cpu")) is None
+    return out + (none_without_torch,)
+
+
+def test_torch_runs_on_a_one_device_gloo_group_zbpipe_on_the_worlds_two():
+    """Each library at its best (docs/benchmarks.md): torch's pipelining on a Gloo group of one
+    device, zbpipe on the launcher's world of two."""
+    from zbpipe.train.launcher import run_local
+
+    results = run_local(_groups_of_the_libraries, 2, timeout_s=60, gloo_devices=2)
+    assert results == [(2, 1, True, True)] * 2

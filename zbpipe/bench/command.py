@@ -8,12 +8,12 @@
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
 from .. import _C
 from .config import AC_MODES, DEVICES, LIBRARIES, MODELS, BenchConfig, BenchError
-from .launch import launch, under_torchrun
+from .. import torchrun
+from .launch import launch
 
 
 def _floats(text: str) -> list[float]:
@@ -71,7 +71,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def config_from_args(ns: argparse.Namespace) -> BenchConfig:
     d = BenchConfig()
-    pp = ns.pp if ns.pp is not None else (int(os.environ["WORLD_SIZE"]) if under_torchrun() else d.pp)
+    try:
+        env = torchrun.torchrun_env()
+    except ValueError as e:
+        raise BenchError(str(e)) from None
+    pp = ns.pp if ns.pp is not None else (env.world_size if env is not None else d.pp)
     return BenchConfig(pp=pp, microbatches=ns.microbatches,
                        schedules=ns.schedules.split(",") if ns.schedules else d.schedules,
                        f=ns.f, i=ns.i, w=ns.w, act=ns.act, model=ns.model,
@@ -115,7 +119,7 @@ def _draw(path: str, cfg: BenchConfig, result: dict, out) -> None:
 _EPILOG = """Per schedule: the realized step (median over --reps of the slowest rank's step), its
 simulation under the nominal costs and under the costs its own trace measured (per-stage F/I/W/B,
 receive waits excluded) with the measured hop latency, the gap (realized / measured-cost
-simulation), zbpipe/torch (torch's pipelining on the same stages and group, alternating step by
+simulation), zbpipe/torch (torch's pipelining on the same stages, on its best group, alternating step by
 step; n/a where torch lacks the schedule), host time per action and the peak saved-activation
 bytes, measured / predicted. Spawns --pp local processes (Gloo on 127.0.0.1; NCCL with
 --device cuda), or joins torchrun's world when WORLD_SIZE is set. See docs/benchmarks.md."""

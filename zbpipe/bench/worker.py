@@ -6,6 +6,7 @@ Every rank returns the gathered measurements (report.rows turns them into the ta
 
 from __future__ import annotations
 
+import os
 import re
 import socket
 import statistics
@@ -82,7 +83,8 @@ def mean_costs(records: list[dict]) -> dict[int, dict[str, float | None]]:
 class Run:
     """One (schedule, library, AC) on this rank's stages and the samples of its timed steps."""
 
-    def __init__(self, cfg: BenchConfig, schedule: str, lib: str, ac: bool, rank: int, device: torch.device):
+    def __init__(self, cfg: BenchConfig, schedule: str, lib: str, ac: bool, rank: int, device: torch.device,
+                 group: dist.ProcessGroup | None = None):
         import zbpipe
         from ..train.pipeline import build_pipeline
 
@@ -111,7 +113,7 @@ class Run:
                 schedule_kwargs=dict(kwargs, activation_budget=cfg.budget))
         else:
             self.sched, self.local = build_pipeline(
-                lib, program, self.work.modules, rank, device, self.work.loss_fn,
+                lib, program, self.work.modules, rank, device, self.work.loss_fn, group=group,
                 io_examples=self.work.io_examples, schedule_kwargs=kwargs)
         self.program = self.sched.program if lib == "zbpipe" else program
         self.num_stages = program.num_stages
@@ -197,9 +199,27 @@ class Run:
         return out
 
 
+def _torch_group(cfg: BenchConfig, device: torch.device) -> dist.ProcessGroup | None:
+    """The group torch's pipelining runs on, each library at its best: on CPU a Gloo group of
+    one device (torch's batch_isend_irecv gains nothing from a second one, which costs it a
+    transport thread: benchmarks.md, step time against torch), beside the world's two, which
+    zbpipe routes the two directions of a rank pair through; elsewhere the world."""
+    if "torch" not in cfg.libs or device.type != "cpu":
+        return None
+    ifname = os.environ.get("GLOO_SOCKET_IFNAME")
+    if ifname is None or "," not in ifname:
+        return None  # the world has one device already
+    os.environ["GLOO_SOCKET_IFNAME"] = ifname.split(",")[0]  # read when the group is created
+    try:
+        return dist.new_group(backend="gloo")
+    finally:
+        os.environ["GLOO_SOCKET_IFNAME"] = ifname
+
+
 def _build_runs(cfg: BenchConfig, rank: int, device: torch.device) -> tuple[dict, dict]:
     """(runs by key, reasons for the keys that are n/a)."""
     runs, skipped = {}, {}
+    torch_group = _torch_group(cfg, device)
     acs = {"off": (False,), "on": (True,), "both": (False, True)}[cfg.ac]
     for schedule in cfg.schedules:
         for ac in acs:
@@ -209,7 +229,8 @@ def _build_runs(cfg: BenchConfig, rank: int, device: torch.device) -> tuple[dict
                     skipped[key] = f"torch.distributed.pipelining has no {schedule} schedule"
                     continue
                 try:
-                    run, err = Run(cfg, schedule, lib, ac, rank, device), None
+                    group = torch_group if lib == "torch" else None
+                    run, err = Run(cfg, schedule, lib, ac, rank, device, group), None
                 except (ValueError, TypeError, AttributeError, NotImplementedError, RuntimeError) as e:
                     run, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 if _all_agree(err is None, device):
