@@ -202,6 +202,8 @@ void register_runtime(py::module_& m) {
       .def_property_readonly("size", &runtime::LoopbackWorld::size)
       .def("group", &runtime::LoopbackWorld::group, py::arg("rank"))
       .def("clear_events", &runtime::LoopbackWorld::clear_events)
+      .def("aborts", &runtime::LoopbackWorld::aborts, py::arg("rank"),
+           "How often the group of `rank` was aborted (ProcessGroup::abort).")
       .def("events", &loopback_events, py::arg("rank"),
            "Recorded calls of `rank`: (type, work, coalesced, ops) with type 'post', 'wait' or "
            "'sync' and ops [(\"send\"|\"recv\", peer, wire tag, bytes)] on posts.");

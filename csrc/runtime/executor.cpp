@@ -176,10 +176,14 @@ void Executor::run_synced(const Entry& e, TraceRecord& rec) {
   if (e.sync_grads) {
     meet_replicas(e);
     static const std::vector<at::Tensor> kNoRoots;
+    syncing_ = e.local;  // a failure from here to the sync's end leaves its collective unfinished
     stages_[e.local].handle->begin_gradient_sync(e.kind == Kind::B ? slot(e.local, e.mb).roots : kNoRoots);
   }
   run_entry(e, rec);
-  if (e.sync_grads) stages_[e.local].handle->end_gradient_sync();
+  if (e.sync_grads) {
+    stages_[e.local].handle->end_gradient_sync();
+    syncing_ = -1;
+  }
 }
 
 void Executor::start_on_worker(size_t i) {

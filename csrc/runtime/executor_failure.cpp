@@ -3,6 +3,8 @@
 // action A (microbatch k): <Type>: <message>" on the failing rank, "aborted because rank R
 // failed ..." on every other; the failing rank alone adds the user's traceback. Then the
 // program grid with this rank's action marked.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include "runtime/errors.h"
 #include "runtime/executor.h"
 #include "zbpipe/cancel.h"
@@ -44,6 +46,7 @@ std::string Executor::where(int index) const {
 }
 
 void Executor::fail_step(int index, const std::exception& ex, const char* prefix) {
+  abort_communication();
   abandon_in_flight();
   broken_ = true;
   const bool interrupted = interrupted_.load() || dynamic_cast<const Cancelled*>(&ex) != nullptr;
@@ -92,6 +95,18 @@ void Executor::abandon_in_flight() {
   part_ = CustomRun{};
   comms_->abandon();
   clear_slots();
+}
+
+void Executor::abort_communication() {
+  p2p_->abort_all();
+  if (syncing_ < 0) return;
+  for (const auto& g : stages_[syncing_].sync_groups) {
+    try {
+      g->abort();  // NCCL: ends the collective's kernels; Gloo cannot abort (a no-op there)
+    } catch (const std::exception&) {
+    }
+  }
+  syncing_ = -1;
 }
 
 void Executor::clear_slots() {

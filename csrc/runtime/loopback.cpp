@@ -42,6 +42,7 @@ struct LoopbackWorld::State {
   std::map<Key, std::deque<Pending>> receives;     // posted, not yet matched
   std::vector<std::vector<LoopbackEvent>> logs;    // per rank
   std::vector<int> next_work;                      // per rank
+  std::vector<int> aborts;                         // per rank: Backend::abort calls
 
   void log(int rank, LoopbackEvent e) {
     std::lock_guard<std::mutex> lock(mu);
@@ -107,6 +108,11 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
 
   const std::string getBackendName() const override { return "loopback"; }
   bool supportsCoalescing() const override { return true; }
+  // Counted, as NCCL's communicator abort would be called (ProcessGroup::abort).
+  void abort() override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    ++state_->aborts[rank_];
+  }
 
   void startCoalescing() override {
     ZB_CHECK(!group_, "loopback rank ", rank_, ": startCoalescing twice");
@@ -196,6 +202,7 @@ LoopbackWorld::LoopbackWorld(int size, bool stream_waits) : state_(std::make_sha
   state_->stream_waits = stream_waits;
   state_->logs.resize(size);
   state_->next_work.assign(size, 0);
+  state_->aborts.assign(size, 0);
   for (int r = 0; r < size; ++r) {
     auto pg = c10::make_intrusive<c10d::ProcessGroup>(r, size);
     auto backend = c10::make_intrusive<LoopbackBackend>(state_, r, size);
@@ -218,6 +225,12 @@ std::vector<LoopbackEvent> LoopbackWorld::events(int rank) const {
   ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
   std::lock_guard<std::mutex> lock(state_->mu);
   return state_->logs[rank];
+}
+
+int LoopbackWorld::aborts(int rank) const {
+  ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->aborts[rank];
 }
 
 void LoopbackWorld::clear_events() {

@@ -52,6 +52,8 @@ class LoopbackWorld {
   c10::intrusive_ptr<c10d::ProcessGroup> group(int rank);
   // What `rank` has called so far, in order.
   std::vector<LoopbackEvent> events(int rank) const;
+  // How often `rank`'s group was aborted (ProcessGroup::abort: a communicator abort on NCCL).
+  int aborts(int rank) const;
   void clear_events();
 
   struct State;
