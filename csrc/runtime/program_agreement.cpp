@@ -9,6 +9,7 @@
 
 #include "runtime/errors.h"
 #include "runtime/failure_watch.h"
+#include "zbpipe/cancel.h"
 
 namespace zbpipe::runtime {
 
@@ -43,7 +44,8 @@ std::string program_fingerprint(const Program& p, bool static_shapes) {
 namespace {
 
 void agree(c10d::Store& store, const std::string& key_prefix, int rank, int size,
-           const std::string& fingerprint, std::chrono::milliseconds timeout, FailureWatch& watch) {
+           const std::string& fingerprint, std::chrono::milliseconds timeout, FailureWatch& watch,
+           const std::function<void()>& check) {
   auto key = [&](int r) { return detail::str(key_prefix, "program/rank", r); };
   store.set(key(rank), std::vector<uint8_t>(fingerprint.begin(), fingerprint.end()));
   std::vector<std::string> peers;
@@ -52,6 +54,7 @@ void agree(c10d::Store& store, const std::string& key_prefix, int rank, int size
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
   while (!store.check(peers)) {
+    if (check) check();  // Ctrl-C
     if (auto f = watch.poll_now())
       throw CommAborted("comparing the ranks' programs was aborted (a peer failed)");
     if (std::chrono::steady_clock::now() > deadline) {
@@ -80,10 +83,12 @@ void agree(c10d::Store& store, const std::string& key_prefix, int rank, int size
 
 void agree_on_program(c10d::Store& store, const std::string& key_prefix, int rank, int size,
                       const std::string& fingerprint, std::chrono::milliseconds timeout,
-                      FailureWatch& watch) {
+                      FailureWatch& watch, const std::function<void()>& check) {
   try {
-    agree(store, key_prefix, rank, size, fingerprint, timeout, watch);
+    agree(store, key_prefix, rank, size, fingerprint, timeout, watch, check);
   } catch (const PipelineError&) {
+    throw;
+  } catch (const Cancelled&) {  // Ctrl-C, through `check`
     throw;
   } catch (const std::exception& e) {
     throw PipelineError(detail::str(
