@@ -118,6 +118,13 @@ void Executor::check_stop() const {
   if (watch_ && watch_->seen()) throw CommAborted("waiting was aborted (a peer failed)");
 }
 
+void Executor::meet_replicas_at_start() {
+  for (auto& st : stages_)
+    for (auto& r : st.replicas)
+      r.arrive_at_step_start(options_.timeout, [this] { check_stop(); },
+                             detail::str("the data-parallel replicas of stage ", st.stage, " to start step ", steps_));
+}
+
 void Executor::interrupt() {
   interrupted_ = true;
   p2p_->abort_all();  // a wait blocked now returns; the step then fails as interrupted
