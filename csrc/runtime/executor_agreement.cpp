@@ -65,7 +65,7 @@ void Executor::ensure_watch() {
         } catch (const std::exception&) {
         }
       }
-  });
+  }, std::chrono::milliseconds(50), /*group_rank=*/rank_);
 }
 
 void Executor::meet_replicas(const Entry& e) {

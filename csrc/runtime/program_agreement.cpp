@@ -53,10 +53,21 @@ void agree(c10d::Store& store, const std::string& key_prefix, int rank, int size
     if (r != rank) peers.push_back(key(r));
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
+  HeartbeatWatch hearts(store);  // a peer whose process died never comes: its heartbeat stops
   while (!store.check(peers)) {
     if (check) check();  // Ctrl-C
     if (auto f = watch.poll_now())
       throw CommAborted("comparing the ranks' programs was aborted (a peer failed)");
+    if (hearts.due()) {
+      std::vector<int> missing;
+      for (int r = 0; r < size; ++r)
+        if (r != rank && !store.check({key(r)})) missing.push_back(r);
+      if (auto dead = hearts.look(missing))
+        throw PipelineError(detail::str(
+            "no program from rank ", *dead, ": its process stopped (its heartbeat in the store has "
+            "not changed for ", kSilentAfter.count() / 1000.0, " s; it died or was killed) while "
+            "the ranks compare programs before the first step"));
+    }
     if (std::chrono::steady_clock::now() > deadline) {
       std::string missing;
       for (int r = 0; r < size; ++r)
