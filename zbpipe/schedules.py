@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import _C, microbatch
+from .group_timeout import warn_if_not_below
 from .memory_probe import MemoryProbe, chrome_memory_events
 from .programs import compile as _compile
 from .stage import PipelineStage, StepData, input_signature
@@ -331,6 +332,9 @@ class PipelineSchedule:
                 program = self._program_for(train)
                 # The executor reads each stage's data parallelism once, here: at the first step.
                 syncs = self._bind_data_parallel()
+                sync_groups = [g for gs in self._sync_groups(train).values() for g in gs]
+                warn_if_not_below(self._executor_options["timeout_s"], [self._group, *sync_groups],
+                                  self._stages[0].device)
                 ex = _C.Executor(
                     program, self._group, {s.stage_index: s for s in self._stages},
                     self._stages[0].device, **self._executor_options, global_rank=self._world[0],

@@ -209,6 +209,8 @@ void register_runtime(py::module_& m) {
            "From now on posts get no work back (a broken backend, for tests).")
       .def("host_waits", &runtime::LoopbackWorld::host_waits, py::arg("rank"),
            "Times `rank`'s host blocked on a work (its 'sync' events) since clear_events.")
+      .def("aborts", &runtime::LoopbackWorld::aborts, py::arg("rank"),
+           "How often the group of `rank` was aborted (ProcessGroup::abort).")
       .def("events", &loopback_events, py::arg("rank"),
            "Recorded calls of `rank`: (type, work, coalesced, ops) with type 'post', 'wait' or "
            "'sync' and ops [(\"send\"|\"recv\", peer, wire tag, bytes)] on posts.");

@@ -6,8 +6,11 @@
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/zeros_like.h>
 
+#include <algorithm>
+
 #include "runtime/errors.h"
 #include "runtime/host_memory.h"
+#include "runtime/replica_barrier.h"
 #include "runtime/trace_scope.h"
 #include "zbpipe/cancel.h"
 #include "zbpipe/passes.h"
@@ -99,6 +102,9 @@ void Executor::adopt_stages(std::map<int, std::shared_ptr<StageHandle>> stages) 
     stages_.push_back(std::move(st));
   }
   mark_gradient_sync(table_, syncs);
+  for (const auto& st : stages_)
+    for (const auto& g : st.sync_groups)
+      if (std::find(dp_groups_.begin(), dp_groups_.end(), g) == dp_groups_.end()) dp_groups_.push_back(g);
 }
 
 Executor::~Executor() = default;
@@ -130,6 +136,7 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
   step_ = &data;
   result_ = &result;
   DisarmAtExit disarm{watch_};
+  GlooTimeoutBound bounded(dp_groups_, options_.timeout);  // restored when the step ends or fails
   begin_step(first_inputs, loss_scale);
   const auto& entries = table_.entries;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -156,6 +163,7 @@ void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
     ensure_watch();
     if (watch_) watch_->arm();
     agree_before_step(first_inputs);
+    meet_replicas_at_start();
   });
   loss_scale_ = loss_scale;
   timer_->start_step();
@@ -177,10 +185,14 @@ void Executor::run_synced(const Entry& e, TraceRecord& rec) {
   if (e.sync_grads) {
     meet_replicas(e);
     static const std::vector<at::Tensor> kNoRoots;
+    syncing_ = e.local;  // a failure from here to the sync's end leaves its collective unfinished
     stages_[e.local].handle->begin_gradient_sync(e.kind == Kind::B ? slot(e.local, e.mb).roots : kNoRoots);
   }
   run_entry(e, rec);
-  if (e.sync_grads) stages_[e.local].handle->end_gradient_sync();
+  if (e.sync_grads) {
+    stages_[e.local].handle->end_gradient_sync();
+    syncing_ = -1;
+  }
 }
 
 void Executor::start_on_worker(size_t i) {

@@ -207,8 +207,16 @@ class Executor {
   void check_stop() const;
   // Before a data-parallel stage's sync: every replica reached it (replica_barrier.h).
   void meet_replicas(const Entry& e);
+  // At a training step's start, before any forward's collective: every replica of every
+  // data-parallel stage started the step (replica_barrier.h).
+  void meet_replicas_at_start();
   // After a failure: unfinished batches stay alive (see P2P::abandon), step state is dropped.
   void abandon_in_flight();
+  // A failing rank's own communicators: its P2P batches (and, on accelerators or a backend
+  // modelling one, the pipeline group's communicators, on which the compute stream may
+  // already wait for a receive that never comes), and the data-parallel groups of the stage
+  // whose gradient sync was running (a collective the replicas will not finish).
+  void abort_communication();
   void clear_slots();
 
   // ---- step-start agreement (executor_agreement.cpp) ------------------------------------
@@ -267,6 +275,9 @@ class Executor {
   bool ready_ = false;   // handshake done
   bool memory_probe_ = false;  // set_memory_probe
   bool broken_ = false;  // a step failed
+  // Every data-parallel group of this rank's stages, once each (GlooTimeoutBound).
+  std::vector<std::shared_ptr<c10d::ProcessGroup>> dp_groups_;
+  int syncing_ = -1;     // local index of the stage inside its gradient sync (its collective), or -1
   std::vector<ShapeSet> shape_sets_;  // in negotiation order (equal on every rank)
   int current_set_ = -1;
   int handshakes_ = 0;

@@ -66,7 +66,7 @@ void Executor::ensure_watch() {
         } catch (const std::exception&) {
         }
       }
-  });
+  }, std::chrono::milliseconds(50), /*group_rank=*/rank_);
 }
 
 void Executor::meet_replicas(const Entry& e) {
@@ -102,7 +102,8 @@ void Executor::report_setup_failure(const c10::intrusive_ptr<c10d::ProcessGroup>
 void Executor::agree_before_step(const Signature& first_inputs) {
   if (!agreed_ && watch_) {
     agree_on_program(*p2p_->store(), detail::str("zbpipe/x", id_, "/"), rank_, program_.pp,
-                     program_fingerprint(program_, options_.static_shapes), options_.timeout, *watch_);
+                     program_fingerprint(program_, options_.static_shapes), options_.timeout, *watch_,
+                     [this] { check_stop(); });
   }
   agreed_ = true;
   negotiate_shapes(first_inputs);

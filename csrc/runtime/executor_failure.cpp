@@ -3,6 +3,8 @@
 // action A (microbatch k): <Type>: <message>" on the failing rank, "aborted because rank R
 // failed ..." on every other; the failing rank alone adds the user's traceback. Then the
 // program grid with this rank's action marked.
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
 #include "runtime/errors.h"
 #include "runtime/executor.h"
 #include "zbpipe/cancel.h"
@@ -44,6 +46,7 @@ std::string Executor::where(int index) const {
 }
 
 void Executor::fail_step(int index, const std::exception& ex, const char* prefix) {
+  abort_communication();
   abandon_in_flight();
   broken_ = true;
   const bool interrupted = interrupted_.load() || dynamic_cast<const Cancelled*>(&ex) != nullptr;
@@ -94,6 +97,18 @@ void Executor::abandon_in_flight() {
   clear_slots();
 }
 
+void Executor::abort_communication() {
+  p2p_->abort_all();
+  if (syncing_ < 0) return;
+  for (const auto& g : stages_[syncing_].sync_groups) {
+    try {
+      g->abort();  // NCCL: ends the collective's kernels; Gloo cannot abort (a no-op there)
+    } catch (const std::exception&) {
+    }
+  }
+  syncing_ = -1;
+}
+
 void Executor::clear_slots() {
   for (auto& st : stages_) st.slots.assign(st.slots.size(), Slot{});
 }
@@ -101,6 +116,13 @@ void Executor::clear_slots() {
 void Executor::check_stop() const {
   if (interrupted_.load()) throw Cancelled();
   if (watch_ && watch_->seen()) throw CommAborted("waiting was aborted (a peer failed)");
+}
+
+void Executor::meet_replicas_at_start() {
+  for (auto& st : stages_)
+    for (auto& r : st.replicas)
+      r.arrive_at_step_start(options_.timeout, [this] { check_stop(); },
+                             detail::str("the data-parallel replicas of stage ", st.stage, " to start step ", steps_));
 }
 
 void Executor::interrupt() {

@@ -4,6 +4,9 @@
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <algorithm>
+#include <atomic>
+
 #include "zbpipe/error.h"
 
 namespace zbpipe::runtime {
@@ -40,6 +43,7 @@ std::optional<StepFailure> decode(const std::vector<uint8_t>& v) {
 
 constexpr size_t kMaxMessage = 6000;  // the store is no place for a whole program grid
 
+
 }  // namespace
 
 std::string StepFailure::describe() const {
@@ -50,8 +54,12 @@ std::string StepFailure::describe() const {
 std::string failure_key(int64_t id) { return detail::str("zbpipe/x", id, "/failure"); }
 
 FailureWatch::FailureWatch(std::vector<FailureChannel> channels, int rank, std::function<void()> on_peer_failure,
-                           std::chrono::milliseconds poll)
-    : channels_(std::move(channels)), rank_(rank), on_peer_failure_(std::move(on_peer_failure)), poll_(poll) {
+                           std::chrono::milliseconds poll, int group_rank)
+    : channels_(std::move(channels)),
+      rank_(rank),
+      group_rank_(group_rank),
+      on_peer_failure_(std::move(on_peer_failure)),
+      poll_(poll) {
   ZB_CHECK(!channels_.empty(), "the failure watch needs at least the process group's store");
   for (const auto& c : channels_) {
     ZB_CHECK(c.store, "the failure watch needs the process group's store");
@@ -73,6 +81,9 @@ FailureWatch::~FailureWatch() {
   }
   cv_.notify_all();
   if (thread_.joinable()) thread_.join();
+  // Alive, without this watch: parked (another watch of this process on the group, if any,
+  // beats again within kHeartbeat).
+  if (group_rank_ >= 0) beat("parked");
 }
 
 void FailureWatch::arm() {
@@ -156,8 +167,17 @@ StepFailure FailureWatch::report(const StepFailure& mine) {
 void FailureWatch::loop() {
   std::unique_lock<std::mutex> lock(mu_);
   while (!stopping_) {
-    cv_.wait(lock, [&] { return stopping_ || (armed_ && !seen_); });
-    if (stopping_) break;
+    if (group_rank_ >= 0) {  // between steps too: the heartbeat
+      lock.unlock();
+      beat("beat");
+      lock.lock();
+      cv_.wait_for(lock, kHeartbeat, [&] { return stopping_ || (armed_ && !seen_); });
+      if (stopping_) break;
+      if (!armed_ || seen_) continue;
+    } else {
+      cv_.wait(lock, [&] { return stopping_ || (armed_ && !seen_); });
+      if (stopping_) break;
+    }
     lock.unlock();
     for (size_t i = 0; i < poll_channels_.size(); ++i) {
       const auto& c = poll_channels_[i];
@@ -170,8 +190,45 @@ void FailureWatch::loop() {
       if (value) take(*value, i, /*watcher=*/true);
     }
     lock.lock();
-    cv_.wait_for(lock, poll_, [&] { return stopping_ || !armed_; });
+    cv_.wait_for(lock, std::min(poll_, kHeartbeat), [&] { return stopping_ || !armed_; });
   }
+}
+
+void FailureWatch::beat(const char* state) {
+  static std::atomic<int64_t> beats{0};  // process-wide: every set is a new value
+  const std::string v = std::string(state) == "beat" ? detail::str("beat ", ++beats) : std::string(state);
+  try {
+    poll_channels_[0].store->set(heartbeat_key(group_rank_), std::vector<uint8_t>(v.begin(), v.end()));
+  } catch (const std::exception&) {
+    // The store is unreachable: nobody to tell.
+  }
+}
+
+std::string heartbeat_key(int group_rank) { return detail::str("zbpipe/alive/rank", group_rank); }
+
+bool HeartbeatWatch::due() const { return std::chrono::steady_clock::now() - last_ >= kHeartbeat; }
+
+std::optional<int> HeartbeatWatch::look(const std::vector<int>& ranks) {
+  const auto now = std::chrono::steady_clock::now();
+  last_ = now;
+  for (int r : ranks) {
+    auto it = std::find_if(seen_.begin(), seen_.end(), [&](const auto& s) { return s.first == r; });
+    if (it == seen_.end()) it = seen_.insert(seen_.end(), {r, Seen{{}, now}});
+    std::vector<uint8_t> value;
+    try {
+      if (!store_.check({heartbeat_key(r)})) continue;
+      value = store_.get(heartbeat_key(r));
+    } catch (const std::exception&) {
+      continue;  // the store's own failure is the wait's business
+    }
+    if (value != it->second.value) {
+      it->second = Seen{std::move(value), now};
+      continue;
+    }
+    const bool beating = value.size() > 5 && std::string(value.begin(), value.begin() + 5) == "beat ";
+    if (beating && now - it->second.since >= kSilentAfter) return r;
+  }
+  return std::nullopt;
 }
 
 int64_t next_executor_id(c10d::Store& store, int rank) {

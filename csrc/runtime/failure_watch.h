@@ -51,8 +51,11 @@ class FailureWatch {
  public:
   // `channels`: the pipeline group's first, then the data-parallel groups' (at least one).
   // `rank`: this rank's global rank (its own failures, read back, are not a peer's).
+  // `group_rank` >= 0: this rank's rank in the pipeline group (channels[0]); the watcher then
+  // also beats a heartbeat there for the watch's whole life, steps or not (heartbeat_key), so
+  // a peer waiting for this rank outside a step can tell a dead process from a slow one.
   FailureWatch(std::vector<FailureChannel> channels, int rank, std::function<void()> on_peer_failure,
-               std::chrono::milliseconds poll = std::chrono::milliseconds(50));
+               std::chrono::milliseconds poll = std::chrono::milliseconds(50), int group_rank = -1);
   ~FailureWatch();
   FailureWatch(const FailureWatch&) = delete;
   FailureWatch& operator=(const FailureWatch&) = delete;
@@ -78,7 +81,10 @@ class FailureWatch {
 
   std::vector<FailureChannel> channels_;       // the caller's stores (report, poll_now)
   std::vector<FailureChannel> poll_channels_;  // the watcher thread's own (clones if possible)
+  void beat(const char* state);  // sets the heartbeat (poll_channels_[0]); never throws
+
   int rank_;
+  int group_rank_;
   std::function<void()> on_peer_failure_;
   std::chrono::milliseconds poll_;
 
@@ -98,5 +104,34 @@ StepFailure publish_failure(c10d::Store& store, const std::string& key, const St
 int64_t next_executor_id(c10d::Store& store, int rank);
 // The failure key of executor `id` on a group.
 std::string failure_key(int64_t id);
+
+// Heartbeats: while a process holds a FailureWatch on a group, its watcher sets
+// heartbeat_key(group rank) in the group's store every kHeartbeat to a new "beat <n>", and to
+// "parked" when one goes (alive, maybe without executor: another watch of the process on the
+// group beats again within kHeartbeat). A value
+// "beat ..." that stays the same for kSilentAfter means the process died (or its threads no
+// longer run): what a wait outside a step (the program comparison) uses to give up early.
+constexpr std::chrono::milliseconds kHeartbeat{200};
+constexpr std::chrono::milliseconds kSilentAfter{1500};
+std::string heartbeat_key(int group_rank);
+
+// Watches the heartbeats of some ranks of a group while a wait polls: look() (when due(), every
+// kHeartbeat) reads them and returns a rank whose heartbeat was "beat ..." and has not changed
+// for kSilentAfter, if any. A rank without heartbeat, or parked, is never called silent.
+class HeartbeatWatch {
+ public:
+  explicit HeartbeatWatch(c10d::Store& store) : store_(store) {}
+  bool due() const;
+  std::optional<int> look(const std::vector<int>& ranks);
+
+ private:
+  struct Seen {
+    std::vector<uint8_t> value;
+    std::chrono::steady_clock::time_point since;
+  };
+  c10d::Store& store_;
+  std::vector<std::pair<int, Seen>> seen_;
+  std::chrono::steady_clock::time_point last_{};
+};
 
 }  // namespace zbpipe::runtime

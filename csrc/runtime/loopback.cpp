@@ -70,6 +70,7 @@ struct LoopbackWorld::State {
   std::vector<std::vector<LoopbackEvent>> logs;    // per rank
   std::vector<int> next_work;                      // per rank
   std::atomic<bool> no_work{false};                // return_no_work
+  std::vector<int> aborts;                         // per rank: Backend::abort calls
 
   void log(int rank, LoopbackEvent e) {
     std::lock_guard<std::mutex> lock(mu);
@@ -148,6 +149,11 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
 
   const std::string getBackendName() const override { return "loopback"; }
   bool supportsCoalescing() const override { return true; }
+  // Counted, as NCCL's communicator abort would be called (ProcessGroup::abort).
+  void abort() override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    ++state_->aborts[rank_];
+  }
 
   void host_waits(const c10d::Work& work) override {
     const auto* w = dynamic_cast<const LoopbackWork*>(&work);
@@ -263,6 +269,7 @@ LoopbackWorld::LoopbackWorld(int size, bool stream_waits, bool store) : state_(s
   state_->next_work.assign(size, 0);
   c10::intrusive_ptr<c10d::Store> shared;
   if (store) shared = c10::make_intrusive<c10d::HashStore>();
+  state_->aborts.assign(size, 0);
   for (int r = 0; r < size; ++r) {
     auto pg = shared ? c10::make_intrusive<c10d::ProcessGroup>(shared, r, size)
                      : c10::make_intrusive<c10d::ProcessGroup>(r, size);
@@ -297,6 +304,12 @@ int64_t LoopbackWorld::host_waits(int rank) const {
   int64_t n = 0;
   for (const auto& e : state_->logs[rank]) n += e.type == LoopbackEvent::Type::Sync;
   return n;
+}
+
+int LoopbackWorld::aborts(int rank) const {
+  ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->aborts[rank];
 }
 
 void LoopbackWorld::clear_events() {

@@ -65,6 +65,8 @@ class LoopbackWorld {
   void return_no_work(bool on);
   // How many times `rank`'s host blocked on a work (its Sync events) since the last clear.
   int64_t host_waits(int rank) const;
+  // How often `rank`'s group was aborted (ProcessGroup::abort: a communicator abort on NCCL).
+  int aborts(int rank) const;
   void clear_events();
 
   struct State;

@@ -8,6 +8,8 @@
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
 #include <algorithm>
+#include <iterator>
+#include <optional>
 #include <mutex>
 #include <thread>
 
@@ -21,6 +23,9 @@ struct Batch {
   std::vector<at::Tensor> tensors;  // receive buffers (and Completion::Host sends) until complete
   bool done = false;                // seen complete: works and tensors released
   std::vector<c10::Stream> streams;  // Completion::Stream: the streams ordered after it
+  // The group it was posted on, set by track_live: an abandoned batch is released once its
+  // group is gone (see P2P::abandon).
+  std::optional<c10::weak_intrusive_ptr<c10d::ProcessGroup>> group;
 };
 
 int wire_tag(int tag, int sender, int receiver) {
@@ -46,6 +51,7 @@ P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device, P2POptio
       !device_.is_cpu() || (backend && dynamic_cast<const ModelsStreamWaits*>(backend.get()) != nullptr);
   completion_ = matching_ == Matching::IssueOrder && stream_waits ? Completion::Stream : Completion::Host;
   model_ = dynamic_cast<ModelsStreamWaits*>(backend.get());
+  (void)abandoned();  // a recovery builds a new P2P: what a destroyed group's steps abandoned goes now
 }
 
 P2P::~P2P() = default;
@@ -91,12 +97,46 @@ std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
   return batch;
 }
 
+namespace {
+// Abandoned batches (see P2P::abandon), each kept until its group is destroyed.
+struct Graveyard {
+  std::mutex mu;
+  std::vector<std::shared_ptr<Batch>> batches;
+
+  // Drops the batches whose group is gone: no message can land in them any more (the
+  // group's backend, and with it every connection a late message could come through, went
+  // with it; a batch's works hold its transport's buffers, sockets and threads, which go now).
+  // The batches are destroyed outside the lock.
+  void sweep() {
+    std::vector<std::shared_ptr<Batch>> freed;
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto gone = [](const std::shared_ptr<Batch>& b) { return b->group && b->group->expired(); };
+      auto keep = std::stable_partition(batches.begin(), batches.end(), [&](const auto& b) { return !gone(b); });
+      freed.assign(std::make_move_iterator(keep), std::make_move_iterator(batches.end()));
+      batches.erase(keep, batches.end());
+    }
+  }
+};
+Graveyard& graveyard() {
+  static auto* g = new Graveyard();  // never destroyed: batches may outlive static destructors
+  return *g;
+}
+}  // namespace
+
 void P2P::abandon(std::shared_ptr<Batch> batch) {
   if (!batch || (batch->done && batch->works.empty())) return;
-  static std::mutex mu;
-  static auto* graveyard = new std::vector<std::shared_ptr<Batch>>();  // never freed, on purpose
-  std::lock_guard<std::mutex> lock(mu);
-  graveyard->push_back(std::move(batch));
+  Graveyard& g = graveyard();
+  g.sweep();
+  std::lock_guard<std::mutex> lock(g.mu);
+  g.batches.push_back(std::move(batch));
+}
+
+size_t P2P::abandoned() {
+  Graveyard& g = graveyard();
+  g.sweep();
+  std::lock_guard<std::mutex> lock(g.mu);
+  return g.batches.size();
 }
 
 void P2P::abandon_watched() {
@@ -261,6 +301,7 @@ void P2P::settle(std::chrono::milliseconds timeout) {
 c10::intrusive_ptr<c10d::Store> P2P::store() const { return pg_->getStore(); }
 
 void P2P::track_live(const std::shared_ptr<Batch>& batch) {
+  batch->group.emplace(pg_);
   std::lock_guard<std::mutex> lock(live_mu_);
   if (live_.size() >= 64 && live_.size() % 64 == 0) {  // amortised pruning of finished batches
     live_.erase(std::remove_if(live_.begin(), live_.end(),
@@ -289,9 +330,10 @@ void P2P::abort_all() {
       }
     }
   }
-  if (!device_.is_cpu()) {
-    // Accelerators (NCCL): the host waits on nothing; abort the communicators so the kernels
-    // stuck on the failed peer end.
+  if (completion_ == Completion::Stream || !device_.is_cpu()) {
+    // Accelerators (NCCL), and a backend modelling one: the host waits on nothing, the compute
+    // stream may already wait on a receive that never comes; abort the communicators so the
+    // kernels stuck on it end and the stream runs again.
     try {
       pg_->abort();
     } catch (const std::exception&) {

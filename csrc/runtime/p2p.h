@@ -150,15 +150,20 @@ class P2P {
   c10::intrusive_ptr<c10d::Store> store() const;
 
   // Thread-safe (called from the failure watcher): aborts every posted, unfinished batch
-  // (Work::abort, and the backend's abort on accelerators, where waits do not block the host)
-  // so a wait blocked on one returns at once; from then on post and wait throw CommAborted.
-  // Irreversible: the group's pending traffic is lost.
+  // (Work::abort, and the group's abort under Completion::Stream or off the CPU, where waits
+  // do not block the host and the stream may wait on a late receive) so a wait blocked on one
+  // returns at once; from then on post and wait throw CommAborted. Idempotent. Irreversible:
+  // the group's pending traffic is lost (on NCCL, its communicators).
   void abort_all();
   bool aborted() const { return aborted_.load(); }
-  // Keeps an unfinished batch (its works and buffers) alive for the rest of the process: after
-  // a failure a late message may still land in a posted receive buffer, which must not have
-  // been freed. Costs the batch's memory, only on failure.
+  // Keeps an unfinished batch (its works and buffers) alive until its process group is
+  // destroyed: after a failure a late message may still land in a posted receive buffer, which
+  // must not have been freed before the group (and its connections) is gone. Costs the batch's
+  // memory and, on Gloo, the group's transport (sockets, a thread per device) until the
+  // recovery recipe drops the group; released by the next abandon or P2P construction.
   static void abandon(std::shared_ptr<Batch> batch);
+  // Releases abandoned batches whose group is gone; returns how many are still kept.
+  static size_t abandoned();
   // After a failure: abandons every watched batch (see abandon) and empties the list.
   void abandon_watched();
 

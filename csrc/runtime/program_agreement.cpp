@@ -9,6 +9,7 @@
 
 #include "runtime/errors.h"
 #include "runtime/failure_watch.h"
+#include "zbpipe/cancel.h"
 
 namespace zbpipe::runtime {
 
@@ -43,7 +44,8 @@ std::string program_fingerprint(const Program& p, bool static_shapes) {
 namespace {
 
 void agree(c10d::Store& store, const std::string& key_prefix, int rank, int size,
-           const std::string& fingerprint, std::chrono::milliseconds timeout, FailureWatch& watch) {
+           const std::string& fingerprint, std::chrono::milliseconds timeout, FailureWatch& watch,
+           const std::function<void()>& check) {
   auto key = [&](int r) { return detail::str(key_prefix, "program/rank", r); };
   store.set(key(rank), std::vector<uint8_t>(fingerprint.begin(), fingerprint.end()));
   std::vector<std::string> peers;
@@ -51,9 +53,21 @@ void agree(c10d::Store& store, const std::string& key_prefix, int rank, int size
     if (r != rank) peers.push_back(key(r));
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
+  HeartbeatWatch hearts(store);  // a peer whose process died never comes: its heartbeat stops
   while (!store.check(peers)) {
+    if (check) check();  // Ctrl-C
     if (auto f = watch.poll_now())
       throw CommAborted("comparing the ranks' programs was aborted (a peer failed)");
+    if (hearts.due()) {
+      std::vector<int> missing;
+      for (int r = 0; r < size; ++r)
+        if (r != rank && !store.check({key(r)})) missing.push_back(r);
+      if (auto dead = hearts.look(missing))
+        throw PipelineError(detail::str(
+            "no program from rank ", *dead, ": its process stopped (its heartbeat in the store has "
+            "not changed for ", kSilentAfter.count() / 1000.0, " s; it died or was killed) while "
+            "the ranks compare programs before the first step"));
+    }
     if (std::chrono::steady_clock::now() > deadline) {
       std::string missing;
       for (int r = 0; r < size; ++r)
@@ -80,10 +94,12 @@ void agree(c10d::Store& store, const std::string& key_prefix, int rank, int size
 
 void agree_on_program(c10d::Store& store, const std::string& key_prefix, int rank, int size,
                       const std::string& fingerprint, std::chrono::milliseconds timeout,
-                      FailureWatch& watch) {
+                      FailureWatch& watch, const std::function<void()>& check) {
   try {
-    agree(store, key_prefix, rank, size, fingerprint, timeout, watch);
+    agree(store, key_prefix, rank, size, fingerprint, timeout, watch, check);
   } catch (const PipelineError&) {
+    throw;
+  } catch (const Cancelled&) {  // Ctrl-C, through `check`
     throw;
   } catch (const std::exception& e) {
     throw PipelineError(detail::str(

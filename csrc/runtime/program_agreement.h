@@ -6,6 +6,7 @@
 #pragma once
 
 #include <chrono>
+#include <functional>
 #include <string>
 
 #include "zbpipe/program.h"
@@ -23,11 +24,13 @@ class FailureWatch;
 std::string program_fingerprint(const Program& p, bool static_shapes);
 
 // Publishes `fingerprint` under `key_prefix` and waits (bounded by `timeout`, polling the
-// store; a failure published meanwhile through `watch` ends the wait) for every peer's. Throws
-// PipelineError on a mismatch (naming this rank's and the first differing rank's values), on
-// a timeout (naming the ranks whose program never came) or on a peer's failure.
+// store; a failure published meanwhile through `watch` ends the wait) for every peer's. Between
+// polls (at most 50 ms apart) calls `check`, which throws to give up (Ctrl-C: the executor's
+// interrupt). Throws PipelineError on a mismatch (naming this rank's and the first differing
+// rank's values), on a timeout (naming the ranks whose program never came) or on a peer's
+// failure; what `check` throws.
 void agree_on_program(c10d::Store& store, const std::string& key_prefix, int rank, int size,
                       const std::string& fingerprint, std::chrono::milliseconds timeout,
-                      FailureWatch& watch);
+                      FailureWatch& watch, const std::function<void()>& check);
 
 }  // namespace zbpipe::runtime

@@ -24,15 +24,25 @@ ReplicaBarrier::ReplicaBarrier(std::shared_ptr<c10d::ProcessGroup> group, std::s
 
 void ReplicaBarrier::arrive_and_wait(std::chrono::milliseconds timeout, const std::function<void()>& check,
                                      const std::string& what) {
+  meet(key_, ++round_, timeout, check, what);
+}
+
+void ReplicaBarrier::arrive_at_step_start(std::chrono::milliseconds timeout, const std::function<void()>& check,
+                                          const std::string& what) {
+  meet(key_ + "/start", ++starts_, timeout, check, what);
+}
+
+void ReplicaBarrier::meet(const std::string& key, int64_t round, std::chrono::milliseconds timeout,
+                          const std::function<void()>& check, const std::string& what) {
   auto add = [&](int64_t n) {  // a store failure is this wait's failure
     try {
-      return group_->getStore()->add(key_, n);
+      return group_->getStore()->add(key, n);
     } catch (const std::exception& e) {
       throw PipelineError(detail::str("waiting for ", what, " through the data-parallel group's store failed "
                                       "(the rank hosting it may have exited): ", e.what()));
     }
   };
-  const int64_t want = ++round_ * size_;  // every rank's check-ins up to this round
+  const int64_t want = round * size_;  // every rank's check-ins up to this round
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   auto pause = std::chrono::milliseconds(1);
   for (int64_t arrived = add(1); arrived < want; arrived = add(0)) {
@@ -44,6 +54,35 @@ void ReplicaBarrier::arrive_and_wait(std::chrono::milliseconds timeout, const st
           " s (a replica may have died, diverged or still be computing)"));
     std::this_thread::sleep_for(pause);
     pause = std::min(pause * 2, std::chrono::milliseconds(10));
+  }
+}
+
+}  // namespace zbpipe::runtime
+
+namespace zbpipe::runtime {
+
+GlooTimeoutBound::GlooTimeoutBound(const std::vector<std::shared_ptr<c10d::ProcessGroup>>& groups,
+                                   std::chrono::milliseconds timeout) {
+  for (const auto& g : groups) {
+    try {
+      if (!g) continue;
+      auto backend = g->getBackend(c10d::ProcessGroup::BackendType::GLOO);
+      const auto own = backend->getBackendOptions()->timeout;
+      if (own <= timeout) continue;
+      backend->setTimeout(timeout);
+      lowered_.emplace_back(g, own);
+    } catch (const std::exception&) {
+      // No Gloo backend, or one that does not say its timeout: left as it is.
+    }
+  }
+}
+
+GlooTimeoutBound::~GlooTimeoutBound() {
+  for (auto& [g, own] : lowered_) {
+    try {
+      g->getBackend(c10d::ProcessGroup::BackendType::GLOO)->setTimeout(own);
+    } catch (const std::exception&) {
+    }
   }
 }
 
