@@ -59,7 +59,7 @@ void place_w(RankSlots& r, bool split) {
   std::array<int, 2> pending{0, 0};
   std::array<std::vector<int>, 2> w;
   for (int t = 0; t < static_cast<int>(occ.size()); ++t) {
-    poll_cancel();
+    if (t % 256 == 0) poll_cancel();
     const int pass = pass_of(occ[t]);
     if (pass == kI1) ++pending[0];
     else if (pass == kI0) ++pending[split ? 1 : 0];
@@ -101,7 +101,7 @@ class SlotUnits {
     scratch_.clear();
     State s = before_[to];
     for (size_t t = to; t < occ_.size(); ++t) {
-      poll_cancel();
+      if (t % 256 == 0) poll_cancel();  // a hot loop: every 256th slot
       s = step(s, occ_[t]);
       if (s.units > limit) {
         std::swap(occ_[to], occ_[from]);
