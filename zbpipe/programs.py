@@ -38,6 +38,7 @@ def compile(
     mem_f: Cost | None = None,
     mem_w: Cost | None = None,
     memory_cap: float | None = None,
+    exhaustive_search: bool = False,
     search_threads: int | None = None,
     refine: bool | None = None,
 ) -> _C.Program:
@@ -45,17 +46,20 @@ def compile(
 
     The costs (f, b, w, comm; unit costs when not given), the memory model (``mem_f`` held from
     an F's start, of which ``mem_w`` waits from I to W; see ``simulate``) and ``memory_cap``
-    (memory per rank in mem_f's units: microbatches at the default mem_f=1) steer the
-    cost-driven schedules (``schedule_options(name)``: zb_auto, v_half, v_min). Any of them
+    (memory per rank in mem_f's units: microbatches at the default mem_f=1; ``float('inf')``
+    or any cap above what a rank could hold is no cap) steer the cost-driven schedules
+    (``schedule_options(name)``: zb_auto, v_half, v_min). Any of them
     given to a schedule that does not use it raises ScheduleError naming the schedules that do;
     to time a program under costs and memory, pass them to ``simulate``. No schedule builds with
     ``b_full``. ``search_threads`` (the same three only) sets how many threads share their
     search grid (default: one per CPU this process may run on, at most 8); the program is the
-    same for every value. ``refine`` (the same three, default True) runs the refinement pass
-    (see ``refine``; zb_auto times 300k actions, v_half and v_min 1M) on the search's pick,
-    never worse on makespan or bubble; ``refine=False`` gives the heuristics' pick alone, the
-    figures the Zero Bubble paper publishes (zb_auto) and the V paper's reference
-    implementation's (v_half, v_min).
+    same for every value. ``exhaustive_search=True`` (the same three) runs every point of that
+    grid to the end and scores it with ``simulate``: the reference the search is checked
+    against, slower, the same program. ``refine`` (the same three, default True) runs the
+    refinement pass (see ``refine``; zb_auto times 300k actions, v_half and v_min 1M) on the
+    search's pick, never worse on makespan or bubble; ``refine=False`` gives the heuristics'
+    pick alone, the figures the Zero Bubble paper publishes (zb_auto) and the V paper's
+    reference implementation's (v_half, v_min).
     """
     def optional_int(name, value):
         return None if value is None else _door.integer("compile", name, value, bits=32)
@@ -73,6 +77,7 @@ def compile(
         mem_f=_given("mem_f", mem_f),
         mem_w=_given("mem_w", mem_w),
         memory_cap=None if memory_cap is None else _door.number("compile", "memory_cap", memory_cap),
+        exhaustive_search=exhaustive_search,
         search_threads=optional_int("search_threads", search_threads),
         refine=refine,
     )

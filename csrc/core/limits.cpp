@@ -21,7 +21,8 @@ std::string limits_line() {
   return detail::str("the limits: pp <= ", kMaxPipelineRanks, ", stages <= ", kMaxStages,
                      ", microbatches <= ", kMaxMicrobatches, ", stages x microbatches <= ", kMaxCells,
                      " (about ", format_bytes(kMaxCells * static_cast<double>(kBytesPerCell)),
-                     "), actions <= ", kMaxActions);
+                     "; zb_auto's search about 5.2 GB, more with search threads), actions <= ",
+                     kMaxActions);
 }
 }  // namespace
 

@@ -108,9 +108,18 @@ Program read_csv_file(const std::string& path, bool rendezvous) {
                                                            kMaxCsvBytes, " bytes for a CSV schedule"));
   std::ifstream f(path, std::ios::binary);
   ZB_SCHEDULE_CHECK(f.good(), "cannot open CSV schedule '", path, "'");
-  std::string text(static_cast<size_t>(size), '\0');
-  f.read(text.data(), static_cast<std::streamsize>(size));
-  text.resize(static_cast<size_t>(f.gcount()));  // a file that shrank meanwhile
+  // Read to EOF, not to the size stat gave: /proc and other generated files report 0 bytes,
+  // and a file may grow or shrink meanwhile. The limit still holds for what is read.
+  std::string text;
+  text.reserve(static_cast<size_t>(size));
+  char chunk[1 << 16];
+  while (f.read(chunk, sizeof chunk) || f.gcount() > 0) {
+    text.append(chunk, static_cast<size_t>(f.gcount()));
+    ZB_SCHEDULE_CHECK(static_cast<int64_t>(text.size()) <= kMaxCsvBytes, "cannot read CSV schedule '",
+                      path, "': more than zbpipe's limit of ", kMaxCsvBytes,
+                      " bytes for a CSV schedule");
+    poll_cancel();
+  }
   if (const size_t bad = first_non_utf8(text); bad != std::string::npos) {
     const size_t line = 1 + static_cast<size_t>(std::count(text.begin(), text.begin() + bad, '\n'));
     char hex[8];

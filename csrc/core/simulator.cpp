@@ -20,7 +20,7 @@ constexpr double kUnset = -1.0;
 
 SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& memory,
                    bool with_timeline) {
-  costs.check(p.num_stages);
+  costs.check(p.num_stages, p.microbatches, p.pp);
   memory.check(p.num_stages);
   ActionTable<double> end(p.num_stages, p.microbatches, kUnset);
   const StageTable table(p.num_stages, costs, memory);

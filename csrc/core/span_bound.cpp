@@ -1,4 +1,5 @@
 // Lower bounds of every rank's span (see span_bound.h for the three arguments).
+#include "zbpipe/cancel.h"
 #include "zbpipe/span_bound.h"
 
 #include <algorithm>
@@ -24,6 +25,7 @@ class Bounds {
     for (int s : own) work += m_ * (f(s) + b(s) + w(s));
     double bound = work + unavoidable_idle(r, own);
     for (int q = 0; q < p_.pp; ++q) {
+      poll_cancel();  // pp^2 chains of O(pp) each: seconds at pp = 1024
       const std::vector<int> theirs = p_.stages_of(q);
       if (theirs[0] > own[0]) bound = std::max(bound, chain(own, theirs, q));
     }
@@ -120,10 +122,12 @@ class Bounds {
       const double mf = t_.held_by_forward(s), mw = t_.of(s, Kind::W).freed, room = cap_[r] - mf;
       double best = 0.0;
       for (int a = 0; a < m_ && a * mf <= room + 1e-9 * cap_[r]; ++a) {
+        poll_cancel();
         const double rest = room - a * mf;
         const int most_b = m_ - 1 - a;
+        // In double: under an infinite cap rest / mw is no int.
         const int held_b =
-            mw > 0.0 ? std::min(most_b, static_cast<int>(std::floor(rest / mw + 1e-9))) : most_b;
+            mw > 0.0 ? static_cast<int>(std::min<double>(most_b, std::floor(rest / mw + 1e-9))) : most_b;
         best = std::max(best, a * (b(s) + w(s)) + std::max(0, held_b) * w(s));
       }
       return best;
@@ -179,7 +183,7 @@ class Bounds {
 
 SpanBound span_lower_bound(const Program& shape, const CostModel& costs,
                            const MemoryModel& memory, const std::vector<double>& cap) {
-  costs.check(shape.num_stages);
+  costs.check(shape.num_stages, shape.microbatches, shape.pp);
   memory.check(shape.num_stages);
   ZB_SCHEDULE_CHECK(cap.size() == 1 || static_cast<int>(cap.size()) == shape.pp,
                     "span_lower_bound: memory_cap needs 1 value or one per rank (", shape.pp,

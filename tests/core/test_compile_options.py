@@ -12,7 +12,8 @@ from zbpipe.schedules import _cached_program
 SEARCHED = ["zb_auto", "v_half", "v_min"]
 # One legal value per option, in zbpipe.compile's spelling; memory_cap 0 = the schedule's own.
 VALUES = {"f": 1.5, "b": [1.0], "w": 0.5, "comm": 0.1, "memory_cap": 0, "b_full": 2.0,
-          "search_threads": 2, "mem_f": 2.0, "mem_w": [0.5], "refine": False}
+          "search_threads": 2, "mem_f": 2.0, "mem_w": [0.5], "refine": False,
+          "exhaustive_search": True}
 SEARCH_OPTIONS = ["f", "b", "w", "comm", "mem_f", "mem_w", "memory_cap", "exhaustive_search",
                   "search_threads", "refine"]
 

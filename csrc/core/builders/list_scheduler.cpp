@@ -384,7 +384,9 @@ class ListScheduler {
     if (u <= 0.0 || per_.held_by_forward(s1) != u || per_.of(s0, Kind::I).freed != 0.0 ||
         per_.of(s1, Kind::I).freed != 0.0)
       return 0.0;
-    const int cap = static_cast<int>(std::floor(cap_[r] / u + 1e-9));
+    // Saturated in double: 2m + 2 units already bind nothing below (and no int overflow
+    // under an infinite or huge cap).
+    const int cap = static_cast<int>(std::min(2.0 * m_ + 2, std::floor(cap_[r] / u + 1e-9)));
     if (next_f_[s0] > last) return 0.0;  // the round trip is under way: clock + work left
     const int f1 = std::max(next_f_[s1], last - cap + 2);
     const int w_done = last + f1 - cap + 2;

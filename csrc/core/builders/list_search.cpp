@@ -12,6 +12,7 @@
 //     is copied out.
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <condition_variable>
 #include <exception>
@@ -35,6 +36,9 @@
 namespace zbpipe::detail {
 
 namespace {
+
+// How long the caller's thread waits for work between polls (cancel.h throttles the poller).
+constexpr std::chrono::milliseconds kWaitPoll{20};
 
 // Bubble rate is monotone in the longest span (total work is fixed), so spans are compared;
 // rounding keeps float noise from choosing between equal schedules.
@@ -186,7 +190,7 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
                               const MemoryModel& memory, const std::vector<double>& cap,
                               const PolicyGrid& grid, const std::vector<Seed>& seeds,
                               const SearchMode& mode) {
-  costs.check(shell.num_stages);
+  costs.check(shell.num_stages, shell.microbatches, shell.pp);
   memory.check(shell.num_stages);
   ZB_SCHEDULE_CHECK(mode.threads >= 0, shell.schedule,
                     ": search_threads must be >= 0 (0 = one per CPU), got ", mode.threads);
@@ -244,6 +248,7 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   std::vector<std::exception_ptr> errors(workers);
   std::vector<int> error_at(workers, points);
   const CancelShare cancel;  // helpers stop with the caller's Ctrl-C (cancel.h)
+  std::exception_ptr interrupted;  // what the poller threw while worker 0 waited
   auto work = [&](int id) {
     const auto joined = cancel.join();
     Picker& mine = picks[id];
@@ -254,7 +259,27 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
       {
         std::unique_lock<std::mutex> lock(mu);
         // Ends: the stack is empty and no run still playing can fork onto it.
-        wake.wait(lock, [&] { return failed || !stack.empty() || unmade < points || playing == 0; });
+        auto has_work = [&] { return failed || !stack.empty() || unmade < points || playing == 0; };
+        // The caller's thread (worker 0) runs the poller (cancel.h): while another worker
+        // plays a long run it keeps polling, or Ctrl-C would wait for that run to end.
+        while (!has_work()) {
+          if (id != 0) {
+            wake.wait(lock);
+          } else if (wake.wait_for(lock, kWaitPoll) == std::cv_status::timeout) {
+            lock.unlock();
+            try {
+              poll_cancel_now();
+            } catch (...) {
+              interrupted = std::current_exception();  // the other workers see the scope cancelled
+            }
+            lock.lock();
+            if (interrupted) {
+              failed = true;
+              wake.notify_all();
+              return;
+            }
+          }
+        }
         if (failed || (stack.empty() && unmade == points)) return;
         if (stack.empty()) {
           const PolicyIndex at = grid_point(grid, unmade++);
@@ -315,6 +340,7 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   }
   work(0);
   for (std::thread& t : helpers) t.join();
+  if (interrupted) std::rethrow_exception(interrupted);
   throw_if_cancelled();  // an interrupt wins over the errors it caused in other workers
   const auto first_error = std::min_element(error_at.begin(), error_at.end());
   if (*first_error < points) std::rethrow_exception(errors[first_error - error_at.begin()]);

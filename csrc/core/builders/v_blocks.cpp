@@ -8,6 +8,7 @@
 
 #include "list_scheduler.h"
 #include "v_post_passes.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/error.h"
 #include "zbpipe/refine.h"
 #include "zbpipe/span_bound.h"
@@ -47,7 +48,7 @@ std::vector<Action> lay_out_rank(const VBlock& blk, int s0, int s1, int m) {
   int last = 0;
   for (const auto& pass : passes) last = std::max(last, pass.first + kSlotsPerMicrobatch * (m - 1));
   std::vector<Action> slots(last + 1);
-  for (int k = 0; k < m; ++k)
+  for (int k = 0; k < m; ++k, poll_cancel())
     for (const auto& [slot, pass] : passes) {
       Action& at = slots[slot + kSlotsPerMicrobatch * k];
       ZB_CHECK(at.stage < 0, "V block puts two passes in slot ", slot + kSlotsPerMicrobatch * k);
@@ -78,7 +79,7 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
   check_basic_args(name, a);
   const int spr = resolve_stages_per_rank(name, a, 2, 2, 2);
   Program shell = make_program(name, a, spr, "v");
-  a.costs.check(shell.num_stages);
+  a.costs.check(shell.num_stages, shell.microbatches, shell.pp);
   a.memory.check(shell.num_stages);
   // The paper's cap: cap_units / 2 microbatches of both of a rank's stages, in mem_f's units.
   // Any other memory_cap (one number for every rank, in mem_f's units) is searched under: the
@@ -116,7 +117,8 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
   if (!paper_cap) {
     std::vector<int> held(a.pp);
     for (int r = 0; r < a.pp; ++r)
-      held[r] = std::min(2 * a.microbatches, 2 * static_cast<int>(std::floor(cap[r] / one_each[r] * (1 + 1e-12))));
+      // In double first: an infinite or huge cap holds all 2m units, no int overflow.
+      held[r] = static_cast<int>(std::min(2.0 * a.microbatches, 2 * std::floor(cap[r] / one_each[r] * (1 + 1e-12))));
     if (held != warmups[0]) warmups.push_back(held);
   }
   Program reordered = shell;

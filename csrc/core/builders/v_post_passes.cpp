@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 
+#include "zbpipe/cancel.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe::detail {
@@ -58,6 +59,7 @@ void place_w(RankSlots& r, bool split) {
   std::array<int, 2> pending{0, 0};
   std::array<std::vector<int>, 2> w;
   for (int t = 0; t < static_cast<int>(occ.size()); ++t) {
+    if (t % 256 == 0) poll_cancel();
     const int pass = pass_of(occ[t]);
     if (pass == kI1) ++pending[0];
     else if (pass == kI0) ++pending[split ? 1 : 0];
@@ -99,6 +101,7 @@ class SlotUnits {
     scratch_.clear();
     State s = before_[to];
     for (size_t t = to; t < occ_.size(); ++t) {
+      if (t % 256 == 0) poll_cancel();  // a hot loop: every 256th slot
       s = step(s, occ_[t]);
       if (s.units > limit) {
         std::swap(occ_[to], occ_[from]);
@@ -166,7 +169,7 @@ void in_slot_order(const std::vector<std::vector<int>>& occ, Fn&& fn) {
   size_t end = 0;
   for (const auto& o : occ) end = std::max(end, o.size());
   for (size_t t = 0; t < end; ++t)
-    for (size_t r = 0; r < occ.size(); ++r)
+    for (size_t r = 0; r < occ.size(); ++r, poll_cancel())
       if (t < occ[r].size() && occ[r][t] != kIdle)
         fn(static_cast<int>(t), static_cast<int>(r), occ[r][t]);
 }

@@ -85,7 +85,7 @@ Program build_zb_auto(const BuildArgs& a) {
                     "zb_auto: memory_cap must hold at least one microbatch (0 = pp * mem_f), got "
                     "memory_cap=", a.memory_cap);
   Program p = make_program("zb_auto", a, spr, "loop");
-  a.costs.check(p.num_stages);
+  a.costs.check(p.num_stages, p.microbatches, p.pp);
   a.memory.check(p.num_stages);
   std::vector<double> cap(a.pp);
   std::vector<std::vector<int>> warmups(3, std::vector<int>(a.pp));
@@ -95,9 +95,16 @@ Program build_zb_auto(const BuildArgs& a) {
     ZB_SCHEDULE_CHECK(within_cap(mem_f, cap[r]), "zb_auto: memory_cap=", cap[r],
                       " must hold at least one microbatch of stage ", r, " (mem_f=", mem_f, ")");
     // Nothing is freed before a rank's first I: the cap holds this many forwards until then.
-    const double ratio = std::min(cap[r] / mem_f, 1e9);
-    int held = std::max(1, static_cast<int>(ratio) - 1);
-    while (within_cap((held + 1) * mem_f, cap[r])) ++held;
+    // A rank never holds more than its m forwards, so any depth >= m warms up alike; above
+    // depth_cap (>= m, and above the two depths below, so the warm-up vectors keep their order
+    // and distinctness) the count stops: an infinite or huge cap is no cap, found at once.
+    const int depth_cap = std::max(a.microbatches, 2 * a.pp);
+    const double ratio = cap[r] / mem_f;
+    int held = depth_cap;
+    if (ratio < depth_cap + 2.0) {
+      held = std::max(1, static_cast<int>(ratio) - 1);
+      while (held < depth_cap && within_cap((held + 1) * mem_f, cap[r])) ++held;
+    }
     warmups[0][r] = held;
     warmups[1][r] = std::min(held, a.pp - r);
     warmups[2][r] = std::min(held, 2 * (a.pp - r) - 1);

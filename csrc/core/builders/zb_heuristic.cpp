@@ -9,6 +9,7 @@
 #include <limits>
 
 #include "../stage_values.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe::detail {
@@ -74,6 +75,7 @@ class PaperGreedy {
   // Appends stage s's next `kind` action and times it; idle time after the stage's first
   // action counts toward its bubble.
   void place(int s, Kind kind) {
+    poll_cancel();
     int& next = kind == Kind::F ? nf_[s] : kind == Kind::I ? ni_[s] : nw_[s];
     const int mb = next++;
     const double cost = kind == Kind::F ? per_.f(s) : kind == Kind::I ? per_.b(s) : per_.w(s);

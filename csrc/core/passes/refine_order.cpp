@@ -11,6 +11,7 @@
 #include <cmath>
 
 #include "../stage_values.h"
+#include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 #include "zbpipe/refine.h"
@@ -78,6 +79,7 @@ class OrderSearch {
   bool fits(int r) const {
     double held = 0.0;
     for (const Action& a : ranks_[r]) {
+      if ((&a - ranks_[r].data()) % 256 == 0) poll_cancel();  // a hot loop: every 256th
       held += per_.of(a).added;
       if (!within_cap(held, cap_[r])) return false;
       held -= per_.of(a).freed;
@@ -121,6 +123,7 @@ class OrderSearch {
       for (int r = 0; r < pp; ++r) {
         const auto& acts = ranks_[r];
         while (next[r] < acts.size()) {
+          if (next[r] % 256 == 0) poll_cancel();  // a hot loop: every 256th action
           const Action& a = acts[next[r]];
           double ready = 0.0;
           bool met = true;
@@ -271,6 +274,7 @@ class OrderSearch {
   std::vector<int> gaps_of(int r) const {
     std::vector<std::pair<double, int>> gaps;
     for (size_t x = 1; x < ranks_[r].size(); ++x) {
+      poll_cancel();
       const double idle = now_.start[r][x] - now_.end[r][x - 1];
       if (idle > 1e-9 * (1.0 + now_.end[r][x - 1])) gaps.emplace_back(-idle, static_cast<int>(x));
     }
@@ -287,6 +291,7 @@ class OrderSearch {
     std::vector<int> firsts;
     std::vector<std::pair<int, Kind>> seen;
     for (size_t y = x + 1; y < acts.size(); ++y) {
+      poll_cancel();
       const std::pair<int, Kind> key{acts[y].stage, acts[y].kind};
       if (std::find(seen.begin(), seen.end(), key) != seen.end()) continue;
       seen.push_back(key);
@@ -364,7 +369,7 @@ Program refine_order(const Program& compute_only, const CostModel& costs,
                     compute_only.schedule, "' has communication actions");
   ZB_SCHEDULE_CHECK(static_cast<int>(cap.size()) == compute_only.pp, "refine_order: cap needs one "
                     "value per rank (", compute_only.pp, "), got ", cap.size());
-  costs.check(compute_only.num_stages);
+  costs.check(compute_only.num_stages, compute_only.microbatches, compute_only.pp);
   memory.check(compute_only.num_stages);
   for (const auto& acts : compute_only.ranks)
     for (const Action& a : acts)

@@ -74,6 +74,9 @@ inline constexpr int kPollStride = 256;
 inline void poll_cancel() {
   if (--detail::cancel_countdown <= 0) detail::poll_cancel_slow();
 }
+// Polls now, without the countdown: for a thread about to block a while (the poller still
+// runs at most once per interval).
+inline void poll_cancel_now() { detail::poll_cancel_slow(); }
 // Throws Cancelled at once if the calling thread's scope was cancelled (no poller call).
 void throw_if_cancelled();
 

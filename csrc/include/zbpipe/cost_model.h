@@ -19,8 +19,15 @@ struct CostModel {
   double backward_input(int stage) const;
   double backward_weight(int stage) const;
   double backward_full(int stage) const;
-  // Checks sizes (1 or num_stages) and non-negative values; throws ScheduleError.
-  void check(int num_stages) const;
+  // Checks sizes (1 or num_stages) and finite non-negative values, and that a program of this
+  // shape cannot overflow a time: its total work (every action's cost and two transfers per
+  // (stage, microbatch)) times pp stays within kMaxTotalTime. Throws ScheduleError.
+  void check(int num_stages, int microbatches, int pp) const;
 };
+
+// Any time the simulator or a search computes is at most the program's total work; bubble
+// rates multiply it by pp and the search's bounds add a few such sums, so this leaves them
+// finite with room to spare.
+inline constexpr double kMaxTotalTime = 1e300;
 
 }  // namespace zbpipe

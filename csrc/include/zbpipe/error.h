@@ -8,17 +8,34 @@
 
 namespace zbpipe {
 
+namespace detail {
+// what() is a C string: a NUL in a message (from a user's text) would end it there, so each is
+// written out as \x00.
+inline std::string without_nul(const std::string& what) {
+  if (what.find('\0') == std::string::npos) return what;
+  std::string out;
+  out.reserve(what.size() + 16);
+  for (char c : what) {
+    if (c == '\0')
+      out += "\\x00";
+    else
+      out += c;
+  }
+  return out;
+}
+}  // namespace detail
+
 // An invalid schedule request or an invalid program: bound to Python as zbpipe.ScheduleError,
 // a ValueError subclass. The message names the constraint and the values given.
 class ScheduleError : public std::invalid_argument {
  public:
-  explicit ScheduleError(const std::string& what) : std::invalid_argument(what) {}
+  explicit ScheduleError(const std::string& what) : std::invalid_argument(detail::without_nul(what)) {}
 };
 
 // Anything else that went wrong (internal invariant, backend failure): a RuntimeError.
 class Error : public std::runtime_error {
  public:
-  explicit Error(const std::string& what) : std::runtime_error(what) {}
+  explicit Error(const std::string& what) : std::runtime_error(detail::without_nul(what)) {}
 };
 
 namespace detail {

@@ -18,8 +18,10 @@ inline constexpr int64_t kMaxPipelineRanks = 16384;
 // Global stages (pp x stages per rank).
 inline constexpr int64_t kMaxStages = 65536;
 inline constexpr int64_t kMaxMicrobatches = int64_t{1} << 20;
-// (stage, microbatch) pairs, the unit a program's memory and time grow with: about 2 GB at
-// compile's peak at this limit.
+// (stage, microbatch) pairs, the unit a program's memory and time grow with: about 1.9 GB at
+// compile's peak at this limit for the fixed schedules. The searched ones (zb_auto, v_half,
+// v_min) take more: zb_auto peaks at about 5.2 GB here with one search thread, 7.7 GB with
+// eight (measured, docs/schedules.md).
 inline constexpr int64_t kMaxCells = int64_t{1} << 22;
 // Actions handed in as text or lists (a lowered program holds at most 7 per pair).
 inline constexpr int64_t kMaxActions = int64_t{1} << 25;
