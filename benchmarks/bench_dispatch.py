@@ -40,6 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import zbpipe
+from zbpipe.bench.worker import all_agree, sync_device
 from zbpipe.train.launcher import rank_device, run_local
 from zbpipe.train.model import Block, TinyConfig
 from zbpipe.train.pipeline import build_pipeline, local_stages, topology, training_schedules
@@ -65,17 +66,6 @@ def _mse(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
     return F.mse_loss(out, target)
 
 
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def _all_agree(ok: bool, device: torch.device) -> bool:
-    """Every rank must take the same branch, or the ranks would deadlock."""
-    flag = torch.tensor([1.0 if ok else 0.0], device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
-
 
 def _time_steps(sched, local, params, num_stages, x, y, steps, device) -> float:
     first, last = 0 in local, num_stages - 1 in local
@@ -87,7 +77,7 @@ def _time_steps(sched, local, params, num_stages, x, y, steps, device) -> float:
         for p in params:
             p.grad = None
         sched.step(*args, target=tgt)
-    _sync(device)
+    sync_device(device)
     dist.barrier()
     return (time.perf_counter() - t0) / steps
 
@@ -98,7 +88,7 @@ def _compute_floor(modules, local, mbs, shape, reps, device) -> float:
     xs = [torch.randn(shape, device=device) for _ in range(mbs)]
     times = []
     for _ in range(reps + 1):
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         for s in local:
             outs = []
@@ -107,7 +97,7 @@ def _compute_floor(modules, local, mbs, shape, reps, device) -> float:
                 outs.append((x, modules[s](x)))
             for _x, out in outs:
                 out.backward(torch.ones_like(out))
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -117,11 +107,11 @@ def _one_process(size, mbs, reps, device) -> float:
     xs = [torch.randn(SIZES[size][1], device=device) for _ in range(mbs)]
     times = []
     for _ in range(reps + 1):
-        _sync(device)
+        sync_device(device)
         t0 = time.perf_counter()
         for x in xs:
             _mse(model(x), x).backward()
-        _sync(device)
+        sync_device(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times[1:])
 
@@ -140,7 +130,7 @@ def _build(lib, program, size, rank, device):
         err = None
     except (ValueError, TypeError, AttributeError, NotImplementedError, RuntimeError) as e:
         err = f"{type(e).__name__}: {e}"
-    if not _all_agree(err is None, device):
+    if not all_agree(err is None, device):
         if rank == 0:
             print(f"# {program.schedule} {lib}: n/a ({err or 'failed on another rank'})", flush=True)
         return None

@@ -165,3 +165,18 @@ class DualPipeLinearFunc(torch.autograd.Function):
             weight.grad = torch.zeros_like(weight)
         weight.grad += gy.flatten(0, -2).T @ x.flatten(0, -2)
         return gy @ weight, None
+
+
+class Stops(nn.Module):
+    """A Linear(4, 4) whose training forward number `stop_at` raises (its rank stops posting)."""
+
+    def __init__(self, stop_at=None):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.calls, self.stop_at = 0, stop_at
+
+    def forward(self, x):
+        self.calls += torch.is_grad_enabled()
+        if self.calls == self.stop_at:
+            raise RuntimeError("this rank stops here")
+        return self.lin(x)

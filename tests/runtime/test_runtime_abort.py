@@ -12,27 +12,13 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers.loopback import run_threads
+from helpers.model_registry import Stops
 
 import zbpipe
 import zbpipe.stage
 from zbpipe import _C
 
 PP, M = 2, 4
-
-
-class Stops(nn.Module):
-    """A Linear whose training forward number `stop_at` raises."""
-
-    def __init__(self, stop_at=None):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.calls, self.stop_at = 0, stop_at
-
-    def forward(self, x):
-        self.calls += torch.is_grad_enabled()
-        if self.calls == self.stop_at:
-            raise RuntimeError("this rank stops here")
-        return self.lin(x)
 
 
 def _step(world, r, module, timeout, **kw):

@@ -12,26 +12,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers.loopback import run_threads
+from helpers.model_registry import Stops
 
 import zbpipe
 from zbpipe import _C
 
 TIMEOUT_S = 1.0
-
-
-class Stops(nn.Module):
-    """A Linear whose training forward number `stop_at` raises (the rank stops posting)."""
-
-    def __init__(self, stop_at=None):
-        super().__init__()
-        self.lin = nn.Linear(4, 4)
-        self.calls, self.stop_at = 0, stop_at
-
-    def forward(self, x):
-        self.calls += torch.is_grad_enabled()
-        if self.calls == self.stop_at:
-            raise RuntimeError("this rank stops here")
-        return self.lin(x)
 
 
 def test_a_stopped_peer_fails_the_others_within_the_timeout():

@@ -23,12 +23,12 @@ from .stages import Workload, nominal_costs
 _PARTS = re.compile(r"(\d+)([FBIW])(\d+)")
 
 
-def _sync(device: torch.device) -> None:
+def sync_device(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _all_agree(ok: bool, device: torch.device) -> bool:
+def all_agree(ok: bool, device: torch.device) -> bool:
     """Every rank takes the same branch (a run built on some ranks only would deadlock)."""
     flag = torch.tensor([1.0 if ok else 0.0], device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
@@ -48,7 +48,7 @@ def measure_hop(rank: int, world: int, nbytes: int, device: torch.device, reps: 
             dist.barrier()
             if rank > 1:
                 continue
-            _sync(device)
+            sync_device(device)
             t0 = time.perf_counter()
             if rank == 0:
                 dist.send(t, 1)
@@ -56,7 +56,7 @@ def measure_hop(rank: int, world: int, nbytes: int, device: torch.device, reps: 
             else:
                 dist.recv(t, 0)
                 dist.send(t, 0)
-            _sync(device)
+            sync_device(device)
             times.append(time.perf_counter() - t0)
         out[key] = statistics.median(times[2:]) / 2 if times else 0.0
     shared = [out]
@@ -128,7 +128,7 @@ class Run:
         target = self.work.y if last else None
         extra = {"return_outputs": False} if self.lib == "zbpipe" else {}
         dist.barrier()
-        _sync(self.device)
+        sync_device(self.device)
         start_ns = time.monotonic_ns()  # the trace's clock
         t0 = time.perf_counter()
         if saved:
@@ -137,7 +137,7 @@ class Run:
             self.saved_peak = tracker.peak
         else:
             self.sched.step(*args, target=target, **extra)
-        _sync(self.device)
+        sync_device(self.device)
         wall = time.perf_counter() - t0
         end_ns = time.monotonic_ns()
         if timed:
@@ -233,7 +233,7 @@ def _build_runs(cfg: BenchConfig, rank: int, device: torch.device) -> tuple[dict
                     run, err = Run(cfg, schedule, lib, ac, rank, device, group), None
                 except (ValueError, TypeError, AttributeError, NotImplementedError, RuntimeError) as e:
                     run, err = None, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                if _all_agree(err is None, device):
+                if all_agree(err is None, device):
                     runs[key] = run
                 else:
                     skipped[key] = err or "failed to build on another rank"
