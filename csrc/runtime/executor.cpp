@@ -6,8 +6,6 @@
 #include <ATen/ops/full_like.h>
 #include <ATen/ops/zeros_like.h>
 
-#include <algorithm>
-
 #include "runtime/errors.h"
 #include "runtime/host_memory.h"
 #include "runtime/replica_barrier.h"
@@ -102,9 +100,9 @@ void Executor::adopt_stages(std::map<int, std::shared_ptr<StageHandle>> stages) 
     stages_.push_back(std::move(st));
   }
   mark_gradient_sync(table_, syncs);
-  for (const auto& st : stages_)
-    for (const auto& g : st.sync_groups)
-      if (std::find(dp_groups_.begin(), dp_groups_.end(), g) == dp_groups_.end()) dp_groups_.push_back(g);
+  std::vector<std::shared_ptr<c10d::ProcessGroup>> dp;
+  for (const auto& st : stages_) dp.insert(dp.end(), st.sync_groups.begin(), st.sync_groups.end());
+  dp_gloo_groups_ = gloo_groups(dp);
 }
 
 Executor::~Executor() = default;
@@ -136,7 +134,7 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
   step_ = &data;
   result_ = &result;
   DisarmAtExit disarm{watch_};
-  GlooTimeoutBound bounded(dp_groups_, options_.timeout);  // restored when the step ends or fails
+  GlooTimeoutBound bounded(dp_gloo_groups_, options_.timeout);  // restored when the step ends or fails
   begin_step(first_inputs, loss_scale);
   const auto& entries = table_.entries;
   for (size_t i = 0; i < entries.size(); ++i) {

@@ -275,8 +275,9 @@ class Executor {
   bool ready_ = false;   // handshake done
   bool memory_probe_ = false;  // set_memory_probe
   bool broken_ = false;  // a step failed
-  // Every data-parallel group of this rank's stages, once each (GlooTimeoutBound).
-  std::vector<std::shared_ptr<c10d::ProcessGroup>> dp_groups_;
+  // The data-parallel groups of this rank's stages that have a Gloo backend, once each
+  // (GlooTimeoutBound bounds them every step).
+  std::vector<std::shared_ptr<c10d::ProcessGroup>> dp_gloo_groups_;
   int syncing_ = -1;     // local index of the stage inside its gradient sync (its collective), or -1
   std::vector<ShapeSet> shape_sets_;  // in negotiation order (equal on every rank)
   int current_set_ = -1;

@@ -269,9 +269,12 @@ void P2P::wait(const std::shared_ptr<Batch>& batch, std::chrono::milliseconds ti
 }
 
 void P2P::progress() {
+  // Gloo completes a work only in Work::wait: there is nothing to see without blocking, and
+  // settle() skips what a wait completed meanwhile. Returning here keeps the per-action call
+  // from scanning every send of the step (they accumulate until settle on this path).
+  if (completion_ == Completion::Host) return;
   for (auto it = watched_.begin(); it != watched_.end();) {
-    // Gloo completes a work only in Work::wait: there is nothing to see without blocking.
-    if (it->batch->done || (completion_ == Completion::Stream && probe(*it))) {
+    if (it->batch->done || probe(*it)) {
       it = watched_.erase(it);
     } else {
       ++it;

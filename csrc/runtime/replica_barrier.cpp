@@ -61,18 +61,31 @@ void ReplicaBarrier::meet(const std::string& key, int64_t round, std::chrono::mi
 
 namespace zbpipe::runtime {
 
+std::vector<std::shared_ptr<c10d::ProcessGroup>> gloo_groups(const std::vector<std::shared_ptr<c10d::ProcessGroup>>& groups) {
+  std::vector<std::shared_ptr<c10d::ProcessGroup>> out;
+  for (const auto& g : groups) {
+    if (!g || std::find(out.begin(), out.end(), g) != out.end()) continue;
+    try {
+      (void)g->getBackend(c10d::ProcessGroup::BackendType::GLOO);
+      out.push_back(g);
+    } catch (const std::exception&) {
+      // No Gloo backend: not bounded (see GlooTimeoutBound).
+    }
+  }
+  return out;
+}
+
 GlooTimeoutBound::GlooTimeoutBound(const std::vector<std::shared_ptr<c10d::ProcessGroup>>& groups,
                                    std::chrono::milliseconds timeout) {
   for (const auto& g : groups) {
     try {
-      if (!g) continue;
       auto backend = g->getBackend(c10d::ProcessGroup::BackendType::GLOO);
       const auto own = backend->getBackendOptions()->timeout;
       if (own <= timeout) continue;
       backend->setTimeout(timeout);
       lowered_.emplace_back(g, own);
     } catch (const std::exception&) {
-      // No Gloo backend, or one that does not say its timeout: left as it is.
+      // A Gloo backend that does not say its timeout: left as it is.
     }
   }
 }

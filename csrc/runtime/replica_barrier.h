@@ -66,6 +66,11 @@ class ReplicaBarrier {
 // (30 min by default). Lowers each Gloo group's timeout to `timeout` (where it is larger) and
 // restores it on destruction. Other backends are left alone: NCCL's communicators are aborted
 // on a failure instead, and a lower NCCL timeout would let its watchdog end the process.
+// `groups`: the ones with a Gloo backend (gloo_groups), resolved once per executor.
+// The groups of `groups` that have a Gloo backend, each once (asked once per executor: c10d
+// answers "no such backend" by throwing).
+std::vector<std::shared_ptr<c10d::ProcessGroup>> gloo_groups(const std::vector<std::shared_ptr<c10d::ProcessGroup>>& groups);
+
 class GlooTimeoutBound {
  public:
   GlooTimeoutBound(const std::vector<std::shared_ptr<c10d::ProcessGroup>>& groups, std::chrono::milliseconds timeout);
