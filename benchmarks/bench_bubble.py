@@ -42,6 +42,7 @@ noisy, compare within one run.
 from __future__ import annotations
 
 import argparse
+import math
 import re
 import statistics
 import sys
@@ -53,6 +54,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _split_models import MODELS
+from zbpipe.bench.worker import measure_hop
 from zbpipe.train.launcher import run_local
 
 PP = 2
@@ -73,23 +75,10 @@ def _stage_modules(model: str, num_stages: int) -> list[nn.Module]:
     return [nn.Sequential(*layers[s * per:(s + 1) * per]) for s in range(num_stages)]
 
 
-def _comm_ms(rank: int, shape, reps: int = 20) -> float:
-    """One-way Gloo latency of one activation: half the median ping-pong round trip."""
-    t = torch.randn(shape)
-    times = []
-    for _ in range(reps + 2):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if rank == 0:
-            dist.send(t, 1)
-            dist.recv(t, 1)
-        else:
-            dist.recv(t, 0)
-            dist.send(t, 0)
-        times.append(time.perf_counter() - t0)
-    t = torch.tensor([statistics.median(times[2:]) / 2 * 1e3], dtype=torch.float64)
-    dist.broadcast(t, 0)  # one value on both ranks (zb_auto's program must agree)
-    return t.item()
+def _comm_ms(rank: int, world: int, shape) -> float:
+    """One-way Gloo latency of one float32 activation of `shape` (zbpipe bench's ping-pong), the
+    same value on every rank (zb_auto's program must agree)."""
+    return measure_hop(rank, world, 4 * math.prod(shape), torch.device("cpu"))["hop_s"] * 1e3
 
 
 def _costs(trace, num_stages: int) -> list:
@@ -182,7 +171,7 @@ class _Run:
 
 def _bench(rank: int, world: int, a: dict) -> None:
     for model in a["models"]:
-        comm = _comm_ms(rank, MODELS[model][1])
+        comm = _comm_ms(rank, world, MODELS[model][1])
         runs = {n: _Run(n, model, rank, a, comm) for n in a["schedules"] if n != "zb_auto"}
         for _ in range(a["warmup"]):
             for r in runs.values():
