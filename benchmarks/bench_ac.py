@@ -331,7 +331,7 @@ def _bench(rank: int, world: int, a: dict) -> None:
     import zbpipe
 
     for model in a["models"]:
-        comm = _comm_ms(rank, SHAPES[model])
+        comm = _comm_ms(rank, world, SHAPES[model])
         runs = {(n, ac): _Run(n, model, ac, rank, a["microbatches"]) for n in a["schedules"] for ac in (True, False)}
         for _ in range(a["warmup"]):
             for r in runs.values():
