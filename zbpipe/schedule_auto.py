@@ -274,7 +274,7 @@ class ScheduleAuto:
     def _run(self, sched: PipelineSchedule, args, kwargs) -> tuple:
         """One step of `sched`: its output and wall time; trace() reports it from now on."""
         start = time.perf_counter()
-        sched._calls["step"] = self._steps - 1  # its failures name the user's step, not its own count
+        sched.set_call_counts(step=self._steps - 1)  # its failures name the user's step, not its own count
         out = sched.step(*args, **kwargs)
         self._ran = sched
         return out, time.perf_counter() - start
@@ -370,7 +370,7 @@ class ScheduleAuto:
     def eval(self, *args, **kwargs):
         with self._one_running("eval"):
             self._evals += 1
-            self._current._calls["eval"] = self._evals - 1
+            self._current.set_call_counts(eval=self._evals - 1)
             return self._current.eval(*args, **kwargs)
 
     def trace(self) -> list[dict]:
@@ -410,11 +410,10 @@ class ScheduleAuto:
         """One hop of a boundary-sized message: rank 0 passes a token around the ring (each rank
         receives, then sends on) and times the loop, so no rank's late start is counted; the
         median of 5 loops after one to warm up, over pp hops, broadcast from rank 0."""
-        ex = measuring._last
         nbytes = 0
         for s in self._stages:
             if not s.is_last:
-                specs = ex.signatures(s.stage_index)[1][0]
+                specs = measuring.output_specs(s.stage_index)
                 nbytes = max(nbytes, sum(
                     torch.empty(0, dtype=d).element_size() * int(torch.Size(shape).numel()) for shape, d in specs))
         sizes = [None] * self._pp
@@ -547,7 +546,7 @@ class ScheduleAuto:
         self.tuning.trial = near
         schedules = {name: keep(name) for name in near}
         rounds = sorted(near, key=lambda n: n != best.name)
-        warm = [(n, False) for n in rounds if schedules[n]._last is None]
+        warm = [(n, False) for n in rounds if not schedules[n].has_run]
         order = warm + [(n, True) for n in rounds] * self._trial_steps
         self._trial = dict(order=order, walls=[], shapes=shapes, first=self._steps - self._timing_steps,
                            schedules=schedules)

@@ -527,6 +527,27 @@ class PipelineSchedule:
             step.loss_fn = self._loss_fn
         return step
 
+    def set_call_counts(self, step: int | None = None, eval: int | None = None) -> None:
+        """The step() / eval() calls counted so far: the next call's failure messages name it
+        as call count + 1. For an owner running several schedules as one (ScheduleAuto), whose
+        user counts its calls, not each inner schedule's."""
+        if step is not None:
+            self._calls["step"] = int(step)
+        if eval is not None:
+            self._calls["eval"] = int(eval)
+
+    @property
+    def has_run(self) -> bool:
+        """Whether a step() or eval() of this schedule ran (its executor is set up)."""
+        return self._last is not None
+
+    def output_specs(self, stage_index: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+        """(shape, dtype) of each tensor local stage `stage_index` sent on at the last step, as
+        the ranks agreed them. RuntimeError before any step."""
+        if self._last is None:
+            raise RuntimeError("no step has run yet")
+        return [(tuple(shape), dtype) for shape, dtype in self._last.signatures(stage_index)[1][0]]
+
     def trace(self) -> list[dict]:
         """Per-action timing of the last step (host ns; device us when timed)."""
         return self._last.trace() if self._last is not None else []

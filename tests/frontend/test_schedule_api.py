@@ -339,9 +339,32 @@ def case_interleaved_one_stage_per_rank(rank, pp):
         _grads_match(mods, ref, [rank], msg=cls.__name__)
 
 
+def case_owner_accessors(rank, pp):
+    """What an owner of several schedules (ScheduleAuto) reads and sets through public names:
+    has_run, output_specs (the agreed boundary shapes), set_call_counts (the step a failure names)."""
+    x, y = data("mlp", 8)
+    mods, _, _ = _ref("mlp", pp, x, y)
+    sched = zbpipe.Schedule1F1B(zbpipe.PipelineStage(mods[rank], rank, pp, "cpu"), 4, loss_fn=F.mse_loss, timeout=20)
+    assert not sched.has_run
+    with pytest.raises(RuntimeError, match="no step"):
+        sched.output_specs(rank)
+    _run(sched, rank, pp, x, y, pp, [rank])
+    assert sched.has_run
+    if rank == 0:  # stage 0 sends one (2, hidden) activation per microbatch
+        out = mods[0](x.chunk(4)[0])
+        assert sched.output_specs(0) == [(tuple(out.shape), out.dtype)]
+    sched.set_call_counts(step=41)
+    if rank == 1:  # the last stage's rank forgets the target: its peer learns which step failed
+        with pytest.raises(ValueError, match="needs target"):
+            sched.step()
+    else:
+        with pytest.raises(zbpipe.PipelineError, match="step 42"):
+            _run(sched, rank, pp, x, y, pp, [rank])
+
+
 CASES = [case_loss_kwargs, case_return_outputs_false, case_losses_cleared_and_refilled, case_no_grad_step_raises,
          case_eval_then_train, case_dw_builder, case_custom_function, case_group_check, case_uneven_from_program,
-         case_interleaved_one_stage_per_rank, case_custom_function_errors]
+         case_interleaved_one_stage_per_rank, case_custom_function_errors, case_owner_accessors]
 
 
 def _case(rank, pp, name):
