@@ -170,6 +170,243 @@ int grid_number(const PolicyGrid& g, const PolicyIndex& at) {
   return n;
 }
 
+// The search's inputs, as search_list_schedules received them.
+struct SearchInputs {
+  const Program& shell;
+  const CostModel& costs;
+  const MemoryModel& memory;
+  const std::vector<double>& cap;
+  const PolicyGrid& grid;
+  const SearchMode& mode;
+};
+
+// The seeds' scores and whether each fits the cap; those that fit and are no mere candidate
+// are the references (every candidate is measured against all of them).
+struct ScoredSeeds {
+  std::vector<Score> scores;
+  std::vector<bool> fits;
+  std::vector<Score> refs;
+  int primary = -1;  // index into refs
+};
+
+ScoredSeeds score_seeds(const SearchInputs& in, const std::vector<Seed>& seeds) {
+  ScoredSeeds out;
+  for (const Seed& seed : seeds) {
+    Score sc;
+    bool fits;
+    if (seed.timing.complete && !in.mode.exhaustive) {
+      const ListRunResult& t = seed.timing;
+      sc = make_score(t.makespan, t.max_span, t.bubble_rate, t.peak_memory);
+      fits = fits_cap(t.peak_memory, in.cap);
+    } else {
+      const SimResult res = simulate(seed.program, in.costs, in.memory, false);
+      sc = score_of(res);
+      fits = fits_cap(res.peak_memory, in.cap);
+    }
+    ZB_CHECK(fits || !seed.must_fit, "'", seed.program.schedule,
+             "' seed breaks the memory cap it is built for");
+    out.scores.push_back(sc);
+    out.fits.push_back(fits);
+    if (!fits) continue;  // a seed that does not fit the cap is no reference
+    if (seed.role == Seed::Role::kPrimary) out.primary = static_cast<int>(out.refs.size());
+    if (seed.role != Seed::Role::kCandidate) out.refs.push_back(sc);
+  }
+  return out;
+}
+
+// Offers the seeds that fit: they come before every grid point in the serial order.
+void offer_seeds(Picker& picker, const std::vector<Seed>& seeds, const ScoredSeeds& scored) {
+  const long first = -static_cast<long>(seeds.size());
+  for (size_t i = 0; i < seeds.size(); ++i)
+    if (scored.fits[i]) picker.offer(scored.scores[i], seeds[i].program, first + static_cast<long>(i));
+}
+
+int grid_size(const PolicyGrid& grid) {
+  int points = 1;
+  for (int k = 0; k < kNumKnobs; ++k) points *= grid.size(static_cast<Knob>(k));
+  return points;
+}
+
+// The pruning bars: the lowest bounds any worker has reached, starting from the seeds' picks.
+// A run stops only when it can no longer reach the best pool-0 objective found so far (or its
+// other metric, once that objective is at the floor), which is never below the final pick's.
+class Bars {
+ public:
+  Bars(const Picker& seeds, const SearchMode& mode)
+      : objective_(mode.objective), floor_(mode.floor), bar_(seeds.bound()),
+        other_bar_(seeds.other_bound(mode.floor)) {}
+
+  // What a run must stay within. A stale bar (relaxed loads) costs only a later stop.
+  RunBound bound() const {
+    return RunBound{objective_, bar_.load(std::memory_order_relaxed),
+                    other_bar_.load(std::memory_order_relaxed)};
+  }
+  // After each offer: the bars come down to (at least) the worker's own bounds.
+  void lower_to(const Picker& mine) {
+    lower(bar_, mine.bound());
+    lower(other_bar_, mine.other_bound(floor_));
+  }
+
+ private:
+  const Objective objective_;
+  const double floor_;
+  std::atomic<double> bar_, other_bar_;
+};
+
+// The workers that play the grid's runs (the caller's thread is worker 0), each keeping its
+// own picks. Runs wait on one stack (last in, first out: a worker goes on with the forks it
+// just made, which keeps few of them waiting); the first holds the whole grid. The pick does
+// not depend on which worker plays which run, or when (Bars; equal keys go to the lowest grid
+// point, each run's being its set's first). Exhaustive: every grid point is a run of its own,
+// played to the end, made when taken.
+class GridPool {
+ public:
+  GridPool(const SearchInputs& in, const ScoredSeeds& seeds, Bars& bars, int workers)
+      : in_(in), bars_(bars), points_(grid_size(in.grid)), exhaustive_(in.mode.exhaustive),
+        unmade_(exhaustive_ ? 0 : points_),
+        picks_(workers, Picker(seeds.refs, seeds.primary, in.mode.objective)),
+        errors_(workers), error_at_(workers, points_) {
+    if (!exhaustive_) stack_.emplace_back(in.shell, in.costs, in.memory, in.cap, in.grid, PolicySet::all(in.grid));
+  }
+
+  // Runs worker 0 on this thread and the others on helper threads, as many as can be had.
+  void run() {
+    std::vector<std::thread> helpers;
+    for (int id = 1; id < static_cast<int>(picks_.size()); ++id) {
+      try {
+        helpers.emplace_back([this, id] { work(id); });
+      } catch (const std::system_error&) {
+        break;  // no more threads to be had: the workers already started share the grid
+      }
+    }
+    work(0);
+    for (std::thread& t : helpers) t.join();
+  }
+
+  // Raises what a serial search would have met first: an interrupt wins over the errors it
+  // caused in other workers, else the lowest failing grid point's error.
+  void choose_error() const {
+    if (interrupted_) std::rethrow_exception(interrupted_);
+    throw_if_cancelled();
+    const auto first_error = std::min_element(error_at_.begin(), error_at_.end());
+    if (*first_error < points_) std::rethrow_exception(errors_[first_error - error_at_.begin()]);
+  }
+
+  void merge_picks_into(Picker& picker) {
+    for (Picker& p : picks_) picker.merge(std::move(p));
+  }
+
+ private:
+  void work(int id) {
+    const auto joined = cancel_.join();
+    Program cand = in_.shell;
+    std::vector<ListRun> forks;
+    for (;;) {
+      std::optional<ListRun> run = take(id);
+      if (!run) return;
+      play(id, *run, cand, forks);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        for (ListRun& f : forks) stack_.push_back(std::move(f));
+        forks.clear();
+        --playing_;
+      }
+      wake_.notify_all();
+    }
+  }
+
+  // The next run to play, or none once the search is over or has failed.
+  std::optional<ListRun> take(int id) {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (!wait_for_work(lock, id)) return std::nullopt;
+    if (failed_ || (stack_.empty() && unmade_ == points_)) return std::nullopt;
+    std::optional<ListRun> run;
+    if (stack_.empty()) {
+      const PolicyIndex at = grid_point(in_.grid, unmade_++);
+      PolicySet one;
+      for (int k = 0; k < kNumKnobs; ++k) one.bits[k] = 1u << at[k];
+      run.emplace(in_.shell, in_.costs, in_.memory, in_.cap, in_.grid, one);
+    } else {
+      run.emplace(std::move(stack_.back()));
+      stack_.pop_back();
+    }
+    ++playing_;
+    return run;
+  }
+
+  // Waits until there is work or the search ends: the stack is empty and no run still playing
+  // can fork onto it. The caller's thread (worker 0) runs the poller (cancel.h): while another
+  // worker plays a long run it keeps polling, or Ctrl-C would wait for that run to end. False
+  // once it was interrupted (the other workers see the scope cancelled).
+  bool wait_for_work(std::unique_lock<std::mutex>& lock, int id) {
+    auto has_work = [&] { return failed_ || !stack_.empty() || unmade_ < points_ || playing_ == 0; };
+    while (!has_work()) {
+      if (id != 0) {
+        wake_.wait(lock);
+      } else if (wake_.wait_for(lock, kWaitPoll) == std::cv_status::timeout) {
+        lock.unlock();
+        try {
+          poll_cancel_now();
+        } catch (...) {
+          interrupted_ = std::current_exception();
+        }
+        lock.lock();
+        if (interrupted_) {
+          failed_ = true;
+          wake_.notify_all();
+          return false;
+        }
+      }
+    }
+    return true;
+  }
+
+  // Plays one run and offers its program if it completes; an error is kept for choose_error().
+  void play(int id, ListRun& run, Program& cand, std::vector<ListRun>& forks) {
+    const int n = grid_number(in_.grid, run.policy());
+    try {
+      poll_cancel();
+      // The bars are already at or below this worker's own bounds: it lowers them after each
+      // offer.
+      const ListRunResult res = run.play(exhaustive_ ? RunBound{} : bars_.bound(), forks);
+      if (!res.complete) return;
+      run.take_program(cand);
+      ZB_CHECK(fits_cap(res.peak_memory, in_.cap), "list scheduler broke the memory cap on '",
+               in_.shell.schedule, "'");
+      // The reference scores with the simulator itself.
+      picks_[id].offer(exhaustive_ ? score_of(simulate(cand, in_.costs, in_.memory, false))
+                                   : make_score(res.makespan, res.max_span, res.bubble_rate,
+                                                res.peak_memory),
+                       cand, n);
+      bars_.lower_to(picks_[id]);
+    } catch (...) {
+      // The lowest failing grid point's error is raised (the one a serial search meets first).
+      if (n < error_at_[id]) {
+        errors_[id] = std::current_exception();
+        error_at_[id] = n;
+      }
+      std::lock_guard<std::mutex> lock(mu_);
+      failed_ = true;
+    }
+  }
+
+  const SearchInputs& in_;
+  Bars& bars_;
+  const int points_;
+  const bool exhaustive_;
+  std::mutex mu_;  // guards the stack and the counts below
+  std::condition_variable wake_;
+  std::vector<ListRun> stack_;
+  int playing_ = 0;  // runs taken off the stack whose forks are not on it yet
+  bool failed_ = false;
+  int unmade_;  // exhaustive: the next grid point not yet a run
+  std::vector<Picker> picks_;                // per worker
+  std::vector<std::exception_ptr> errors_;   // per worker: its lowest failing grid point's
+  std::vector<int> error_at_;                // per worker: that grid point (points_: none)
+  const CancelShare cancel_;                 // helpers stop with the caller's Ctrl-C (cancel.h)
+  std::exception_ptr interrupted_;           // what the poller threw while worker 0 waited
+};
+
 }  // namespace
 
 PolicyGrid PolicyGrid::standard(std::vector<std::vector<int>> warmups,
@@ -194,157 +431,16 @@ Program search_list_schedules(const Program& shell, const CostModel& costs,
   memory.check(shell.num_stages);
   ZB_SCHEDULE_CHECK(mode.threads >= 0, shell.schedule,
                     ": search_threads must be >= 0 (0 = one per CPU), got ", mode.threads);
-  // Seeds: the references first (every candidate is measured against all of them).
-  std::vector<Score> seed_scores;
-  std::vector<bool> seed_fits;
-  std::vector<Score> refs;
-  int primary = -1;  // index into refs
-  for (const Seed& seed : seeds) {
-    Score sc;
-    bool fits;
-    if (seed.timing.complete && !mode.exhaustive) {
-      const ListRunResult& t = seed.timing;
-      sc = make_score(t.makespan, t.max_span, t.bubble_rate, t.peak_memory);
-      fits = fits_cap(t.peak_memory, cap);
-    } else {
-      const SimResult res = simulate(seed.program, costs, memory, false);
-      sc = score_of(res);
-      fits = fits_cap(res.peak_memory, cap);
-    }
-    ZB_CHECK(fits || !seed.must_fit, "'", seed.program.schedule,
-             "' seed breaks the memory cap it is built for");
-    seed_scores.push_back(sc);
-    seed_fits.push_back(fits);
-    if (!fits) continue;  // a seed that does not fit the cap is no reference
-    if (seed.role == Seed::Role::kPrimary) primary = static_cast<int>(refs.size());
-    if (seed.role != Seed::Role::kCandidate) refs.push_back(sc);
-  }
-  Picker picker(refs, primary, mode.objective);
-  const long first = -static_cast<long>(seeds.size());  // seeds come before every grid point
-  for (size_t i = 0; i < seeds.size(); ++i)
-    if (seed_fits[i]) picker.offer(seed_scores[i], seeds[i].program, first + static_cast<long>(i));
-
-  int points = 1;
-  for (int k = 0; k < kNumKnobs; ++k) points *= grid.size(static_cast<Knob>(k));
-  const bool exhaustive = mode.exhaustive;
-  // Runs wait on one stack (last in, first out: a worker goes on with the forks it just made,
-  // which keeps few of them waiting); the first holds the whole grid. The pick does not depend
-  // on which worker plays which run, or when: a run stops only when it can no longer reach the
-  // best pool-0 objective found so far (or its other metric, once that objective is at the
-  // floor), which is never below the final pick's, and equal keys go to the lowest grid point,
-  // each run's being its set's first. A stale bar (relaxed loads) costs only a later stop.
-  // Exhaustive: every grid point is a run of its own, played to the end, made when taken.
-  const int workers = exhaustive ? 1 : std::min(search_thread_count(mode.threads), points);
-  std::mutex mu;
-  std::condition_variable wake;
-  std::vector<ListRun> stack;
-  int playing = 0;  // runs taken off the stack whose forks are not on it yet
-  bool failed = false;
-  int unmade = exhaustive ? 0 : points;  // exhaustive: the next grid point not yet a run
-  if (!exhaustive) stack.emplace_back(shell, costs, memory, cap, grid, PolicySet::all(grid));
-  // The lowest bounds any worker has reached.
-  std::atomic<double> bar{picker.bound()}, other_bar{picker.other_bound(mode.floor)};
-  std::vector<Picker> picks(workers, Picker(refs, primary, mode.objective));
-  std::vector<std::exception_ptr> errors(workers);
-  std::vector<int> error_at(workers, points);
-  const CancelShare cancel;  // helpers stop with the caller's Ctrl-C (cancel.h)
-  std::exception_ptr interrupted;  // what the poller threw while worker 0 waited
-  auto work = [&](int id) {
-    const auto joined = cancel.join();
-    Picker& mine = picks[id];
-    Program cand = shell;
-    std::vector<ListRun> forks;
-    for (;;) {
-      std::optional<ListRun> run;
-      {
-        std::unique_lock<std::mutex> lock(mu);
-        // Ends: the stack is empty and no run still playing can fork onto it.
-        auto has_work = [&] { return failed || !stack.empty() || unmade < points || playing == 0; };
-        // The caller's thread (worker 0) runs the poller (cancel.h): while another worker
-        // plays a long run it keeps polling, or Ctrl-C would wait for that run to end.
-        while (!has_work()) {
-          if (id != 0) {
-            wake.wait(lock);
-          } else if (wake.wait_for(lock, kWaitPoll) == std::cv_status::timeout) {
-            lock.unlock();
-            try {
-              poll_cancel_now();
-            } catch (...) {
-              interrupted = std::current_exception();  // the other workers see the scope cancelled
-            }
-            lock.lock();
-            if (interrupted) {
-              failed = true;
-              wake.notify_all();
-              return;
-            }
-          }
-        }
-        if (failed || (stack.empty() && unmade == points)) return;
-        if (stack.empty()) {
-          const PolicyIndex at = grid_point(grid, unmade++);
-          PolicySet one;
-          for (int k = 0; k < kNumKnobs; ++k) one.bits[k] = 1u << at[k];
-          run.emplace(shell, costs, memory, cap, grid, one);
-        } else {
-          run.emplace(std::move(stack.back()));
-          stack.pop_back();
-        }
-        ++playing;
-      }
-      const int n = grid_number(grid, run->policy());
-      try {
-        poll_cancel();
-        // The bars are already at or below this worker's own bounds: it lowers them after
-        // each offer.
-        const RunBound bound{mode.objective, bar.load(std::memory_order_relaxed),
-                             other_bar.load(std::memory_order_relaxed)};
-        const ListRunResult res = run->play(exhaustive ? RunBound{} : bound, forks);
-        if (res.complete) {
-          run->take_program(cand);
-          ZB_CHECK(fits_cap(res.peak_memory, cap), "list scheduler broke the memory cap on '",
-                   shell.schedule, "'");
-          // The reference scores with the simulator itself.
-          mine.offer(exhaustive ? score_of(simulate(cand, costs, memory, false))
-                                : make_score(res.makespan, res.max_span, res.bubble_rate,
-                                             res.peak_memory),
-                     cand, n);
-          lower(bar, mine.bound());
-          lower(other_bar, mine.other_bound(mode.floor));
-        }
-      } catch (...) {
-        // The lowest failing grid point's error is raised (the one a serial search meets first).
-        if (n < error_at[id]) {
-          errors[id] = std::current_exception();
-          error_at[id] = n;
-        }
-        std::lock_guard<std::mutex> lock(mu);
-        failed = true;
-      }
-      {
-        std::lock_guard<std::mutex> lock(mu);
-        for (ListRun& f : forks) stack.push_back(std::move(f));
-        forks.clear();
-        --playing;
-      }
-      wake.notify_all();
-    }
-  };
-  std::vector<std::thread> helpers;
-  for (int id = 1; id < workers; ++id) {
-    try {
-      helpers.emplace_back(work, id);
-    } catch (const std::system_error&) {
-      break;  // no more threads to be had: the workers already started share the grid
-    }
-  }
-  work(0);
-  for (std::thread& t : helpers) t.join();
-  if (interrupted) std::rethrow_exception(interrupted);
-  throw_if_cancelled();  // an interrupt wins over the errors it caused in other workers
-  const auto first_error = std::min_element(error_at.begin(), error_at.end());
-  if (*first_error < points) std::rethrow_exception(errors[first_error - error_at.begin()]);
-  for (Picker& p : picks) picker.merge(std::move(p));
+  const SearchInputs in{shell, costs, memory, cap, grid, mode};
+  const ScoredSeeds scored = score_seeds(in, seeds);
+  Picker picker(scored.refs, scored.primary, mode.objective);
+  offer_seeds(picker, seeds, scored);
+  Bars bars(picker, mode);
+  const int workers = mode.exhaustive ? 1 : std::min(search_thread_count(mode.threads), grid_size(grid));
+  GridPool pool(in, scored, bars, workers);
+  pool.run();
+  pool.choose_error();
+  pool.merge_picks_into(picker);
   return picker.take();
 }
 

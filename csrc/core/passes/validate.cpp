@@ -66,21 +66,22 @@ std::string producer_name(const Producer& d) {
                              : detail::str(kind_name(d.kind), " of stage ", d.stage);
 }
 
-}  // namespace
+// Position (1-based, 0 = absent) of each compute / comm action on its rank.
+using Positions = ActionTable<int32_t>;
 
-void validate(const Program& p) {
-  check_shape(p);
-  // Position (1-based, 0 = absent) of each compute / comm action on its rank.
-  ActionTable<int32_t> pos(p.num_stages, p.microbatches, 0);
-  const bool comms = p.has_comms();
-  // A program with no backward action at all is an inference program: F once per (stage, mb).
-  bool forward_only = true;
+// A program with no backward action at all is an inference program: F once per (stage, mb).
+bool is_forward_only(const Program& p) {
   for (const auto& acts : p.ranks)
     for (const Action& a : acts)
       for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
-        if (s->kind == Kind::B || s->kind == Kind::I || s->kind == Kind::W) forward_only = false;
+        if (s->kind == Kind::B || s->kind == Kind::I || s->kind == Kind::W) return false;
+  return true;
+}
 
-  // 1. Placement, ranges, exactly-once.
+// 1a. Placement and ranges: every action of rank r is in range, of a stage on r, a comm action
+// has a cross-rank peer, and none appears twice. Returns the positions of all of them.
+Positions place_actions(const Program& p) {
+  Positions pos(p.num_stages, p.microbatches, 0);
   for (int r = 0; r < p.pp; ++r) {
     const auto& acts = p.ranks[r];
     for (int i = 0; i < static_cast<int>(acts.size()); ++i) {
@@ -102,6 +103,11 @@ void validate(const Program& p) {
       }
     }
   }
+  return pos;
+}
+
+// 1b. Exactly once: F for every (stage, mb), and (training) either B or both I and W.
+void check_exactly_once(const Program& p, const Positions& pos, bool forward_only) {
   for (int s = 0; s < p.num_stages; ++s) {
     const int r = p.rank_of(s);
     for (int mb = 0; mb < p.microbatches; ++mb) {
@@ -116,10 +122,40 @@ void validate(const Program& p) {
                            std::to_string(wt) + ")");
     }
   }
+}
 
-  // 2. Local order on each rank, from producers_of: a producer on the same rank runs before its
-  // consumer; one on another rank is received before it; a result another rank consumes is
-  // sent after it.
+// 2. Local order of one compute (stage s, kind k, mb) at 1-based position c on rank r, from
+// producers_of: a producer on the same rank runs before it; one on another rank is received
+// before it; a result another rank consumes is sent after it.
+void check_compute_order(const Program& p, const Positions& pos, bool comms, int r, int c,
+                         const Action& part) {
+  const int s = part.stage, mb = part.microbatch;
+  const Kind k = part.kind;
+  const bool fwd = k == Kind::F;
+  for (const Producer& d : producers_of(part, p.num_stages)) {
+    if (p.rank_of(d.stage) == r) {
+      if (pos.of(d, mb) >= c)
+        fail(p, r, c - 1, detail::str(role_name(k), " of stage ", s, " mb ", mb, " before ",
+                                      producer_name(d)));
+    } else if (comms) {
+      const int rv = pos.at(s, fwd ? Kind::RECV_F : Kind::RECV_B, mb);
+      if (!rv || rv > c)
+        fail(p, r, c - 1, detail::str(role_name(k), " of stage ", s, " mb ", mb, " has no ",
+                                      fwd ? "RECV_F" : "RECV_B", " before it"));
+    }
+  }
+  const int to = data_consumer(part, p.num_stages);
+  if (comms && to >= 0 && p.rank_of(to) != r) {
+    const int sd = pos.at(s, fwd ? Kind::SEND_F : Kind::SEND_B, mb);
+    if (!sd || sd < c)
+      fail(p, r, c - 1, detail::str(role_name(k), " of stage ", s, " mb ", mb, " has no ",
+                                    fwd ? "SEND_F" : "SEND_B", " after it"));
+  }
+}
+
+// 2. Local order on each rank, for every compute the program runs (check_compute_order).
+void check_local_order(const Program& p, const Positions& pos, bool forward_only) {
+  const bool comms = p.has_comms();
   for (int s = 0; s < p.num_stages; ++s) {
     const int r = p.rank_of(s);
     for (int mb = 0; mb < p.microbatches; ++mb) {
@@ -127,101 +163,103 @@ void validate(const Program& p) {
       for (Kind k : {Kind::F, Kind::B, Kind::I, Kind::W}) {
         const int c = pos.at(s, k, mb);
         if (!c || (forward_only && k != Kind::F)) continue;
-        const Action part(s, k, mb);
-        const bool fwd = k == Kind::F;
-        for (const Producer& d : producers_of(part, p.num_stages)) {
-          if (p.rank_of(d.stage) == r) {
-            if (pos.of(d, mb) >= c)
-              fail(p, r, c - 1, detail::str(role_name(k), " of stage ", s, " mb ", mb, " before ",
-                                            producer_name(d)));
-          } else if (comms) {
-            const int rv = pos.at(s, fwd ? Kind::RECV_F : Kind::RECV_B, mb);
-            if (!rv || rv > c)
-              fail(p, r, c - 1, detail::str(role_name(k), " of stage ", s, " mb ", mb, " has no ",
-                                            fwd ? "RECV_F" : "RECV_B", " before it"));
-          }
-        }
-        const int to = data_consumer(part, p.num_stages);
-        if (comms && to >= 0 && p.rank_of(to) != r) {
-          const int sd = pos.at(s, fwd ? Kind::SEND_F : Kind::SEND_B, mb);
-          if (!sd || sd < c)
-            fail(p, r, c - 1, detail::str(role_name(k), " of stage ", s, " mb ", mb, " has no ",
-                                          fwd ? "SEND_F" : "SEND_B", " after it"));
-        }
+        check_compute_order(p, pos, comms, r, c, Action(s, k, mb));
       }
     }
   }
-  if (comms) {
-    // 3. Per ordered rank pair, sends and receives carry the same messages in the same order.
-    // Keyed by (src * pp + dst) in a map: only the pairs that talk get an entry, so memory
-    // follows the actions, not pp^2. Counts already match one-to-one (step 2), so equal
-    // sequences reduce to comparing element by element.
-    struct PairQueue {
-      std::vector<Message> sends;
-      size_t matched = 0;
-    };
-    std::unordered_map<uint64_t, PairQueue> pairs;
-    auto pair_key = [&](int src, int dst) { return static_cast<uint64_t>(src) * p.pp + dst; };
-    for (int r = 0; r < p.pp; ++r)
-      for (const Action& a : p.ranks[r])
-        if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B)
-          pairs[pair_key(r, p.rank_of(comm_peer_stage(a)))].sends.push_back(message_of(a));
-    for (int r = 0; r < p.pp; ++r) {
-      const auto& acts = p.ranks[r];
-      for (int i = 0; i < static_cast<int>(acts.size()); ++i) {
-        const Action& a = acts[i];
-        poll_cancel();
-        if (a.kind != Kind::RECV_F && a.kind != Kind::RECV_B) continue;
-        const int src = p.rank_of(comm_peer_stage(a));
-        PairQueue& q = pairs[pair_key(src, r)];
-        size_t& k = q.matched;
-        if (k >= q.sends.size() || !(q.sends[k] == message_of(a)))
-          fail(p, r, i, detail::str("receive #", k, " on rank ", r, " from rank ", src,
-                                    " does not match the send in that order"));
-        ++k;
-      }
+}
+
+// 3. Per ordered rank pair, sends and receives carry the same messages in the same order.
+// Keyed by (src * pp + dst) in a map: only the pairs that talk get an entry, so memory follows
+// the actions, not pp^2. Counts already match one-to-one (check 2), so equal sequences reduce
+// to comparing element by element.
+void check_message_order(const Program& p) {
+  struct PairQueue {
+    std::vector<Message> sends;
+    size_t matched = 0;
+  };
+  std::unordered_map<uint64_t, PairQueue> pairs;
+  auto pair_key = [&](int src, int dst) { return static_cast<uint64_t>(src) * p.pp + dst; };
+  for (int r = 0; r < p.pp; ++r)
+    for (const Action& a : p.ranks[r])
+      if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B)
+        pairs[pair_key(r, p.rank_of(comm_peer_stage(a)))].sends.push_back(message_of(a));
+  for (int r = 0; r < p.pp; ++r) {
+    const auto& acts = p.ranks[r];
+    for (int i = 0; i < static_cast<int>(acts.size()); ++i) {
+      const Action& a = acts[i];
+      poll_cancel();
+      if (a.kind != Kind::RECV_F && a.kind != Kind::RECV_B) continue;
+      const int src = p.rank_of(comm_peer_stage(a));
+      PairQueue& q = pairs[pair_key(src, r)];
+      size_t& k = q.matched;
+      if (k >= q.sends.size() || !(q.sends[k] == message_of(a)))
+        fail(p, r, i, detail::str("receive #", k, " on rank ", r, " from rank ", src,
+                                  " does not match the send in that order"));
+      ++k;
     }
+  }
+}
+
+// Whether `a` may run in a blocking-receive run once the actions marked in `done` have: a RECV
+// waits for its SEND, a compute for its inputs.
+bool can_run(const Program& p, const ActionTable<uint8_t>& done, const Action& a) {
+  if (a.kind == Kind::RECV_F || a.kind == Kind::RECV_B) {
+    const Action send = matching_send(a);
+    return done.at(send.stage, send.kind, send.microbatch) != 0;
+  }
+  for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
+    for (const Producer& d : producers_of(*s, p.num_stages))
+      if (!done.met(d, s->microbatch)) return false;
+  return true;
+}
+
+// The ranks waiting to run again, each at most once (last in, first out).
+class RankQueue {
+ public:
+  // Every rank, rank 0 first out.
+  explicit RankQueue(int pp) : queued_(pp, 1) {
+    for (int r = pp - 1; r >= 0; --r) ranks_.push_back(r);
+  }
+  void wake(int rank) {
+    if (!queued_[rank]) {
+      queued_[rank] = 1;
+      ranks_.push_back(rank);
+    }
+  }
+  bool empty() const { return ranks_.empty(); }
+  int pop() {
+    const int r = ranks_.back();
+    ranks_.pop_back();
+    queued_[r] = 0;
+    return r;
   }
 
-  // 4. Blocking-receive execution: a RECV waits for its SEND, a compute for its inputs.
+ private:
+  std::vector<int> ranks_;
+  std::vector<char> queued_;
+};
+
+// 4. Blocking-receive execution (can_run). Ranks run as far as they can; one that stops is run
+// again once an action it may wait on ends: a SEND wakes its RECV's rank, a compute the rank
+// that consumes its data (what a compute needs on its own rank is behind it in the same list).
+// The ranks left unfinished are those of every order (the run is monotone), in O(actions)
+// instead of O(pp x rounds).
+void check_blocking_run(const Program& p) {
   ActionTable<uint8_t> done(p.num_stages, p.microbatches, 0);
-  auto ready = [&](const Action& a) {
-    if (a.kind == Kind::RECV_F || a.kind == Kind::RECV_B) {
-      const Action send = matching_send(a);
-      return done.at(send.stage, send.kind, send.microbatch) != 0;
-    }
-    for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
-      for (const Producer& d : producers_of(*s, p.num_stages))
-        if (!done.met(d, s->microbatch)) return false;
-    return true;
-  };
-  // Ranks run as far as they can; one that stops is run again once an action it may wait on
-  // ends: a SEND wakes its RECV's rank, a compute the rank that consumes its data (what a
-  // compute needs on its own rank is behind it in the same list). The ranks left unfinished
-  // are those of every order (the run is monotone), in O(actions) instead of O(pp x rounds).
   std::vector<size_t> next(p.pp, 0);
-  std::vector<int> queue;
-  std::vector<char> queued(p.pp, 1);
-  for (int r = p.pp - 1; r >= 0; --r) queue.push_back(r);
-  auto wake = [&](int rank) {
-    if (!queued[rank]) {
-      queued[rank] = 1;
-      queue.push_back(rank);
-    }
-  };
+  RankQueue queue(p.pp);
   while (!queue.empty()) {
-    const int r = queue.back();
-    queue.pop_back();
-    queued[r] = 0;
+    const int r = queue.pop();
     const auto& acts = p.ranks[r];
-    while (next[r] < acts.size() && ready(acts[next[r]])) {
+    while (next[r] < acts.size() && can_run(p, done, acts[next[r]])) {
       poll_cancel();
       const Action& a = acts[next[r]];
-      if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B) wake(p.rank_of(comm_peer_stage(a)));
+      if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B) queue.wake(p.rank_of(comm_peer_stage(a)));
       for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
         done.at(s->stage, s->kind, s->microbatch) = 1;
         const int to = data_consumer(*s, p.num_stages);
-        if (to >= 0) wake(p.rank_of(to));
+        if (to >= 0) queue.wake(p.rank_of(to));
       }
       ++next[r];
     }
@@ -231,6 +269,19 @@ void validate(const Program& p) {
       fail(p, r, static_cast<int>(next[r]),
            detail::str("deadlock: rank ", r, " blocks forever on '", to_string(p.ranks[r][next[r]]),
                        "' in a blocking-receive run"));
+}
+
+}  // namespace
+
+// The checks in their numbered order: the first violation found is the one reported.
+void validate(const Program& p) {
+  check_shape(p);
+  const bool forward_only = is_forward_only(p);
+  const Positions pos = place_actions(p);          // 1.
+  check_exactly_once(p, pos, forward_only);        // 1.
+  check_local_order(p, pos, forward_only);         // 2.
+  if (p.has_comms()) check_message_order(p);       // 3.
+  check_blocking_run(p);                           // 4.
 }
 
 }  // namespace zbpipe
