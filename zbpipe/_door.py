@@ -1,8 +1,10 @@
-"""Argument checks at the Python door of the schedule core (compile, simulate).
+"""Argument checks at the Python door of the schedule core (compile, simulate, refine).
 
 A wrong type raises a one-line TypeError naming the parameter and what it takes; an int beyond
 what the core's arguments hold raises ScheduleError. Values the types allow (negative sizes,
 non-finite costs, sizes above zbpipe's limits) are the core's to refuse, with ScheduleError.
+The TypeError's text and the check of text come from the bindings' own door
+(csrc/python/arguments.h), so both doors say the same.
 """
 
 from __future__ import annotations
@@ -14,24 +16,14 @@ from collections.abc import Iterable, Mapping, Set, Sized
 from . import _C
 
 
-def _shown(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 def wrong_type(function: str, name: str, takes: str, value) -> TypeError:
-    return TypeError(f"{function}: {name} must be {takes}, got {type(value).__name__} {_shown(value)}")
+    """'<function>: <name> must be <takes>, got <type> <repr, cut to 60 characters>'."""
+    return TypeError(_C._wrong_type_message(function, name, takes, value))
 
 
 def text(function: str, name: str, value) -> str:
-    if not isinstance(value, str):
-        raise wrong_type(function, name, "a str", value)
-    try:
-        value.encode()
-    except UnicodeEncodeError:
-        raise _C.ScheduleError(
-            f"{function}: {name} is not valid text (it holds a lone surrogate, which UTF-8 cannot encode)"
-        ) from None
+    """A str; TypeError otherwise, ScheduleError if UTF-8 cannot encode it (a lone surrogate)."""
+    _C._check_text(function, name, value)
     return value
 
 

@@ -1,6 +1,7 @@
 // The one binding file of zbpipe._C: it only registers. Logic lives in the topic files beside
-// it: py_core (compile options, costs, reprs), py_stage (the PipelineStage trampoline),
-// py_executor (building and running an Executor, trace conversion), py_backward (the split).
+// it: arguments (the door for argument checks), py_core (compile options, costs, reprs),
+// py_stage (the PipelineStage trampoline), py_executor (building and running an Executor,
+// trace conversion), py_backward (the split).
 // torch's pybind.h first: it brings torch's type casters (Tensor, Device, dtype) and the
 // c10::intrusive_ptr holder, with the pybind11 torch bundles (so c10d types cross).
 #include <torch/csrc/utils/pybind.h>
@@ -10,6 +11,7 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include "python/arguments.h"
 #include "python/py_backward.h"
 #include "python/py_core.h"
 #include "python/py_executor.h"
@@ -28,6 +30,15 @@ using namespace zbpipe;
 using namespace zbpipe::python;
 
 namespace {
+
+void register_arguments(py::module_& m) {
+  // zbpipe/_door.py's checks of compile, simulate and refine, written by the bindings' door.
+  m.def("_wrong_type_message", &wrong_type_message_arg, py::arg("function"), py::arg("name"),
+        py::arg("takes"), py::arg("value"),
+        "The one-line TypeError message for a value of the wrong type (arguments.h).");
+  m.def("_check_text", &check_text_arg, py::arg("function"), py::arg("name"), py::arg("value"),
+        "TypeError unless a str; ScheduleError if UTF-8 cannot encode it (a lone surrogate).");
+}
 
 void register_actions(py::module_& m) {
   py::register_exception<ScheduleError>(m, "ScheduleError", PyExc_ValueError);
@@ -247,6 +258,7 @@ void register_backward(py::module_& m) {
 PYBIND11_MODULE(_C, m) {
   m.doc() = "zbpipe compiled core (schedule IR, builders, passes, simulator) and runtime";
   register_actions(m);
+  register_arguments(m);
   register_program(m);
   register_compile(m);
   register_simulator(m);

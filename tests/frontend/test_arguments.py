@@ -4,6 +4,7 @@ what it takes (not pybind11's dump of every signature, nor a string read as digi
 
 from __future__ import annotations
 
+import collections
 import math
 import subprocess
 import sys
@@ -141,3 +142,49 @@ def test_a_stage_mapped_outside_the_ranks_is_refused_before_lowering():
                           env=child_env(), cwd=NEUTRAL_CWD, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "stage 1 maps to rank 5 outside [0, 1)" in proc.stdout
+
+
+# One door (csrc/python/arguments.cpp) writes every wrong-type message, for the Python checks
+# (zbpipe/_door.py: compile, simulate, refine) and the bindings alike: the type's __name__,
+# and the repr cut to 57 characters (code points, not UTF-8 bytes) plus "..." when over 60.
+DOORS = [
+    (lambda value: zbpipe.simulate(value), "program must be a zbpipe.Program"),
+    (lambda value: Program.from_actions(value, [0], 1),
+     "ranks must be a list of lists of action strings (one list per rank)"),
+]
+
+
+@pytest.mark.parametrize("door", DOORS, ids=["python", "binding"])
+@pytest.mark.parametrize(
+    "value,shown",
+    [
+        ("é" * 70, "'" + "é" * 56 + "..."),                   # 2-byte characters across the cut
+        ("a" * 50 + "€" * 20, "'" + "a" * 50 + "€" * 6 + "..."),  # 3-byte, the cut among them
+        ("𝄞" * 58, "'" + "𝄞" * 58 + "'"),                   # 60 characters (240 bytes): whole
+        ("x" * 55 + "𝄞" * 4, "'" + "x" * 55 + "𝄞" + "..."),  # 4-byte, 61 characters
+    ],
+    ids=["2-byte", "3-byte", "60-chars", "4-byte"],
+)
+def test_a_long_repr_is_cut_by_characters(door, value, shown):
+    call, says = door
+    with pytest.raises(TypeError) as err:
+        call(value)
+    assert str(err.value).endswith(f"{says}, got str {shown}"), str(err.value)
+
+
+@pytest.mark.parametrize("door", DOORS, ids=["python", "binding"])
+def test_the_type_is_named_by_its_name(door):
+    call, _ = door
+    with pytest.raises(TypeError) as err:
+        call(collections.OrderedDict())
+    assert str(err.value).endswith(", got OrderedDict OrderedDict()"), str(err.value)
+
+
+@pytest.mark.parametrize("door", [lambda v: zbpipe.compile(v, 2, 2),
+                                  lambda v: Program.from_actions([["0F0", "0B0"]], [0], 1, name=v)],
+                         ids=["python", "binding"])
+def test_a_lone_surrogate_is_not_text(door):
+    with pytest.raises(ScheduleError) as err:
+        door("1f1b\ud800")
+    assert str(err.value).endswith(
+        " is not valid text (it holds a lone surrogate, which UTF-8 cannot encode)"), str(err.value)
