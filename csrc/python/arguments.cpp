@@ -23,9 +23,10 @@ py::str steal_str(PyObject* s) {
 py::str wrong_type_message(const char* function, const char* name, const char* takes,
                            const py::handle& value) {
   py::str shown = py::repr(value);
-  if (PyUnicode_GetLength(shown.ptr()) > kShownChars)
-    shown = steal_str(PyUnicode_FromFormat("%U...",
-                                           steal_str(PyUnicode_Substring(shown.ptr(), 0, kShownChars - 3)).ptr()));
+  if (PyUnicode_GetLength(shown.ptr()) > kShownChars) {
+    const py::str head = steal_str(PyUnicode_Substring(shown.ptr(), 0, kShownChars - 3));
+    shown = steal_str(PyUnicode_FromFormat("%U...", head.ptr()));
+  }
   const py::str type_name(py::type::handle_of(value).attr("__name__"));
   return steal_str(PyUnicode_FromFormat("%s: %s must be %s, got %U %U", function, name, takes,
                                         type_name.ptr(), shown.ptr()));

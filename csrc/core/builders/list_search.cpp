@@ -266,7 +266,8 @@ class GridPool {
         unmade_(exhaustive_ ? 0 : points_),
         picks_(workers, Picker(seeds.refs, seeds.primary, in.mode.objective)),
         errors_(workers), error_at_(workers, points_) {
-    if (!exhaustive_) stack_.emplace_back(in.shell, in.costs, in.memory, in.cap, in.grid, PolicySet::all(in.grid));
+    if (!exhaustive_)
+      stack_.emplace_back(in.shell, in.costs, in.memory, in.cap, in.grid, PolicySet::all(in.grid));
   }
 
   // Runs worker 0 on this thread and the others on helper threads, as many as can be had.
