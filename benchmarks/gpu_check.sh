@@ -6,7 +6,7 @@
 #
 # With one GPU: every multi-stage schedule on one rank on CUDA (zbv, interleaved, v_half, v_min,
 # dualpipev with and without OVERLAP_F_B overlap), exact against a CPU reference with per-action
-# device timing (tests/runtime/test_runtime_cuda.py), then the host-overhead benchmark on CUDA
+# device timing (tests/runtime/test_device_cuda.py), then the host-overhead benchmark on CUDA
 # (bench_dispatch.py --pp 1: multi-stage schedules on one rank, zbpipe vs torch.distributed.
 # pipelining) and DualPipeV overlapped vs in sequence on one rank. With two or more GPUs also the
 # NCCL P2P tests (same file: exactness over NCCL with device_id bound, a stopped peer failing
@@ -44,7 +44,7 @@ step "build"
 run bash -c "cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release >/dev/null && cmake --build build/gpu -j"
 
 step "CUDA tests ($ngpu GPU(s); NCCL P2P tests run only with two or more)"
-run timeout 1200 python -m pytest tests/runtime/test_runtime_cuda.py -q -rs
+run timeout 1200 python -m pytest tests/runtime/test_device_cuda.py -q -rs
 
 step "the NCCL model and the overlap tests (CPU, in-process)"
 run timeout 900 python -m pytest tests/runtime/test_nccl_model.py tests/runtime/test_stream_ordered_waits.py tests/runtime/test_overlap_f_b.py -q

@@ -24,7 +24,7 @@ if ! { cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXEC
   grep -E "error|Error" "$out/build.log" | head -40; echo "BUILD FAILED"; exit 1
 fi
 echo "-- built in $((SECONDS - t0)) s"
-timeout 300 "$py" -m pytest -p no:cacheprovider -q -rs tests/runtime/test_runtime_cuda.py \
+timeout 300 "$py" -m pytest -p no:cacheprovider -q -rs tests/runtime/test_device_cuda.py \
   "tests/runtime/test_checkpointing.py::test_one_recomputation_in_i_and_exact" -k "cuda or one_gpu or nccl" \
   2>&1 | tee "$out/tests.log" | tail -25 || status=1
 timeout 150 "$py" benchmarks/bench_dispatch.py --pp 1 --device cuda --sizes tiny,medium \

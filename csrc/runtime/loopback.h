@@ -9,7 +9,7 @@
 // on the copying rank's current stream, and a receive's Work::wait makes the caller's stream
 // wait for its copies' events, as a wait on NCCL makes it wait for the NCCL stream; so ranks
 // on their own streams of one GPU exercise stream waits and send lifetimes
-// (test_runtime_cuda.py). Not a transport for training: no timeouts of its own.
+// (test_device_cuda.py). Not a transport for training: no timeouts of its own.
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>

@@ -3,7 +3,7 @@
 A pipelined step computes the same math as one process, summed in another order (per
 microbatch, then accumulated): results agree to float reassociation, RTOL/ATOL below, and every
 comparison of losses, outputs and gradients uses them through torch.testing.assert_close. The
-one exception is a GPU result against a CPU reference (tests/runtime/test_runtime_cuda.py):
+one exception is a GPU result against a CPU reference (tests/runtime/test_device_cuda.py):
 other kernels, not only another order, so DEVICE_RTOL/DEVICE_ATOL.
 """
 

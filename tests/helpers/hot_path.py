@@ -1,5 +1,5 @@
 """What the stream-ordered hot path tests measure on a rank (test_stream_hot_path.py on the CPU
-loopback world, test_runtime_cuda.py on one GPU): a stage whose autograd saves its input and
+loopback world, test_device_cuda.py on one GPU): a stage whose autograd saves its input and
 its output, the storages it saved and the gradients it sent with their live bytes at the end of
 every forward, and the ops that copy to the host or read a value there."""
 

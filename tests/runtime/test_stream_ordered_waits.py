@@ -2,7 +2,7 @@
 only orders the compute stream and the host runs one wait ahead: a peer that stops mid-step
 fails the others with PipelineError naming the rank, the action and the receive, within a few
 timeouts. Runs the accelerator path of P2P on the loopback world with stream-like waits (no
-GPU here), one thread per rank; the Gloo version is in test_runtime_errors.py."""
+GPU here), one thread per rank; the Gloo version is in test_executor_errors.py."""
 
 from __future__ import annotations
 

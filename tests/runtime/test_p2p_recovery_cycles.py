@@ -4,7 +4,7 @@ the old group is gone, so fds and threads stay flat over many cycles. pp=2 on Gl
 stage raises at its second training forward of every cycle (a step with receives in flight).
 
 The long run (200 cycles under `ulimit -n 1024`, the figure reported in the issue):
-    ulimit -n 1024; PYTHONPATH=. python tests/runtime/test_runtime_recovery_cycles.py 200
+    ulimit -n 1024; PYTHONPATH=. python tests/runtime/test_p2p_recovery_cycles.py 200
 """
 
 from __future__ import annotations
