@@ -15,17 +15,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..measurements import hop_s, sync_device
 from ..stage_costs import _COMPUTE, _took_s
 from .config import AUTO, BenchConfig, torch_has
 from .emulated import SavedBytes
 from .stages import Workload, nominal_costs
 
 _PARTS = re.compile(r"(\d+)([FBIW])(\d+)")
-
-
-def sync_device(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 def all_agree(ok: bool, device: torch.device) -> bool:
@@ -36,32 +32,14 @@ def all_agree(ok: bool, device: torch.device) -> bool:
 
 
 def measure_hop(rank: int, world: int, nbytes: int, device: torch.device, reps: int = 20) -> dict:
-    """One-way time of a message of `nbytes` (half a ping-pong between ranks 0 and 1, median)
-    and of a 4-byte one: {"hop_s", "latency_s", "bandwidth_Bps"}; zeros in a world of one."""
+    """One-way time of a message of `nbytes` (half a ping-pong between ranks 0 and 1, median:
+    zbpipe.measurements.hop_s, as ScheduleAuto's) and of a 4-byte one: {"hop_s", "latency_s",
+    "bandwidth_Bps"}, the same on every rank; zeros in a world of one."""
     out = {"hop_s": 0.0, "latency_s": 0.0, "bandwidth_Bps": 0.0}
     if world < 2:
         return out
-    for key, n in (("latency_s", 1), ("hop_s", max(1, nbytes // 4))):
-        t = torch.zeros(n, device=device)
-        times = []
-        for _ in range(reps + 2):
-            dist.barrier()
-            if rank > 1:
-                continue
-            sync_device(device)
-            t0 = time.perf_counter()
-            if rank == 0:
-                dist.send(t, 1)
-                dist.recv(t, 1)
-            else:
-                dist.recv(t, 0)
-                dist.send(t, 0)
-            sync_device(device)
-            times.append(time.perf_counter() - t0)
-        out[key] = statistics.median(times[2:]) / 2 if times else 0.0
-    shared = [out]
-    dist.broadcast_object_list(shared, src=0)  # one value everywhere
-    out = shared[0]
+    out["latency_s"] = hop_s(4, device, reps=reps)
+    out["hop_s"] = hop_s(nbytes, device, reps=reps)
     out["bandwidth_Bps"] = nbytes / out["hop_s"] if out["hop_s"] > 0 else 0.0
     return out
 

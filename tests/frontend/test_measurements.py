@@ -1,0 +1,76 @@
+"""zbpipe/measurements.py: merge() of the ranks' records (the pipeline's costs and deltas, the
+largest hop, each timing step's slowest wall time, ScheduleAuto's errors where ranks disagree)
+and boundary_bytes() without processes; hop_s() and gather() over a group of three Gloo ranks
+(rank 2 only joins the barriers, yet gets rank 0's value) and hop_s() in a group of one."""
+
+from __future__ import annotations
+
+import pytest
+
+import zbpipe
+from zbpipe.measurements import RankMeasurements, boundary_bytes, merge
+
+
+def _record(rank, stages, num_stages=2, microbatches=4, comm_s=1e-4, walls=(1.0, 2.0)) -> RankMeasurements:
+    return RankMeasurements(rank=rank, num_stages=num_stages, microbatches=microbatches,
+                            costs={s: {"f": s + 1.0} for s in stages},
+                            deltas={s: {"mem_f": 10 * (s + 1)} for s in stages}, comm_s=comm_s, walls=list(walls))
+
+
+def test_merge_takes_every_stage_the_largest_hop_and_the_slowest_rank_per_step():
+    m = merge([_record(0, [0], comm_s=1e-4, walls=(1.0, 5.0)), _record(1, [1], comm_s=3e-4, walls=(2.0, 4.0))],
+              2, 4, rank=0)
+    assert m.costs == {0: {"f": 1.0}, 1: {"f": 2.0}} and m.deltas == {0: {"mem_f": 10}, 1: {"mem_f": 20}}
+    assert m.comm_s == 3e-4 and m.walls == [2.0, 5.0]
+
+
+@pytest.mark.parametrize("records, message", [
+    ([_record(0, [0]), _record(1, [1], num_stages=3)],
+     "ScheduleAuto: rank 1 measured num_stages=3, microbatches=4; rank 0 has 2, 4"),
+    ([_record(0, [0]), _record(1, [1], microbatches=8)],
+     "ScheduleAuto: rank 1 measured num_stages=2, microbatches=8; rank 0 has 2, 4"),
+    ([_record(0, [0, 1]), _record(1, [1])], "ScheduleAuto: stage 1 was measured by two ranks"),
+    ([_record(0, [0]), {**_record(1, [1]), "deltas": {}}], "ScheduleAuto: rank 1 measured stage 1 only in part"),
+    ([_record(0, [0]), _record(1, [])], "ScheduleAuto: the ranks measured stages [0], want 0..1"),
+])
+def test_merge_refuses_ranks_that_disagree(records, message):
+    with pytest.raises(zbpipe.ScheduleError) as e:
+        merge(records, 2, 4, rank=0)
+    assert str(e.value) == message
+
+
+def test_boundary_bytes_is_the_largest_output_of_a_local_stage_but_the_last():
+    import torch
+
+    class Stage:
+        def __init__(self, index, last):
+            self.stage_index, self.is_last = index, last
+
+    class Sent:  # PipelineSchedule.output_specs: (shape, dtype) of each tensor a stage sent on
+        def output_specs(self, stage_index):
+            return {0: [((4, 8), torch.float32), ((2,), torch.int64)], 1: [((16, 8), torch.bfloat16)],
+                    3: [((1000, 1000), torch.float32)]}[stage_index]
+
+    assert boundary_bytes(Sent(), [Stage(0, False), Stage(1, False)]) == max(4 * 8 * 4 + 2 * 8, 16 * 8 * 2)
+    assert boundary_bytes(Sent(), [Stage(0, False), Stage(3, True)]) == 4 * 8 * 4 + 2 * 8  # the last sends nothing on
+    assert boundary_bytes(Sent(), [Stage(3, True)]) == 0
+
+
+def _hops(rank, size):
+    import torch
+    import torch.distributed as dist
+
+    from zbpipe.measurements import gather, hop_s
+
+    group = dist.new_group(list(range(size)), backend="gloo")
+    singles = [dist.new_group([r], backend="gloo") for r in range(size)]
+    hop = hop_s(1 << 16, torch.device("cpu"), group, reps=3)
+    return dict(hop=hop, small=hop_s(4, torch.device("cpu"), group, reps=3),
+                single=hop_s(1 << 16, torch.device("cpu"), singles[rank]), gathered=gather(rank * 10, group))
+
+
+def test_hop_s_is_one_value_on_every_rank(spawn_world):
+    results = spawn_world(3).run(_hops, timeout_s=120)
+    assert all(r["hop"] == results[0]["hop"] > 0 and r["small"] == results[0]["small"] > 0 for r in results), results
+    assert all(r["single"] == 0.0 for r in results), results  # a group of one: no hop
+    assert all(r["gathered"] == [0, 10, 20] for r in results), results
