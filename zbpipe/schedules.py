@@ -4,9 +4,9 @@ thin mapping to a zbpipe.compile() name; the C++ executor runs the compiled prog
     sched = zbpipe.Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
     out = sched.step(x, target=y, losses=losses)   # x on the first stage, y on the last
 
-A step's data travels through the call: step() splits the batch into a StepData (zbpipe/stage.py)
-and hands it to the executor's run, which passes it to every stage call and returns the last
-stage's outputs and losses.
+A step's data travels through the call: step() builds a StepData from the batch
+(zbpipe/step_data.py) and hands it to the executor's run, which passes it to every stage call
+and returns the last stage's outputs and losses.
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ from . import _C, microbatch
 from .group_timeout import warn_if_not_below
 from .memory_probe import MemoryProbe, chrome_memory_events
 from .programs import compile as _compile
-from .stage import PipelineStage, StepData, input_signature
+from .stage import PipelineStage
+from .step_data import StepData, input_signature
 
 
 @functools.lru_cache(maxsize=256)
@@ -436,7 +437,8 @@ class PipelineSchedule:
         message shapes: every microbatch must give each stage output that shape."""
         with self._one_running("step"):
             self._check_grad_mode()
-            inputs = (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+            inputs = dict(args=args, kwargs=kwargs, target=target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs,
+                          target_mbs=target_mbs)
             return self._run("step", inputs, losses, return_outputs, loss_kwargs, train=self._has_backward)
 
     def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
@@ -447,10 +449,11 @@ class PipelineSchedule:
         whole batches or pre-split microbatches as step does. Runs with or without
         torch.no_grad(); every rank of the pipeline calls it together, as step."""
         with self._one_running("eval"):
-            inputs = (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+            inputs = dict(args=args, kwargs=kwargs, target=target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs,
+                          target_mbs=target_mbs)
             return self._run("eval", inputs, losses, return_outputs, loss_kwargs, train=False)
 
-    def _run(self, call: str, inputs: tuple, losses, return_outputs, loss_kwargs, train: bool):
+    def _run(self, call: str, inputs: dict, losses, return_outputs, loss_kwargs, train: bool):
         self._calls[call] += 1
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list, got {type(losses).__name__}")
@@ -459,7 +462,9 @@ class PipelineSchedule:
         with contextlib.ExitStack() as stage_scopes:
             try:  # this rank's own checks: a failure here is told to every peer
                 self._check_data_parallel(train)
-                step = self._step_data(inputs, return_outputs, loss_kwargs, train)
+                step = StepData.build(self._n, train=train, has_first=any(s.is_first for s in self._stages),
+                                      has_last=any(s.is_last for s in self._stages), loss_fn=self._loss_fn,
+                                      keep_outputs=return_outputs, loss_kwargs=loss_kwargs, **inputs)
                 first_inputs = None
                 if step.args is not None and not self._executor_options["static_shapes"]:
                     first_inputs = input_signature(step)
@@ -489,43 +494,6 @@ class PipelineSchedule:
             if step.targets is not None:
                 losses.extend(mb_losses)
         return microbatch.merge(outputs) if return_outputs else None
-
-    def _step_data(self, inputs: tuple, return_outputs, loss_kwargs, train: bool) -> StepData:
-        """The step's StepData: positional arguments where the first stage lives, targets (and
-        the loss) where the last does, keyword arguments everywhere; split here from whole
-        batches, or taken as the caller split them (arg_mbs, kwarg_mbs, target_mbs). Raises
-        ValueError for a batch that does not split, a missing target, or mixed forms."""
-        args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs = inputs
-        n = self._n
-        step = StepData(train=train, keep_outputs=return_outputs, loss_kwargs=loss_kwargs or {})
-        has_first = any(s.is_first for s in self._stages)
-        presplit = arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None
-        if presplit:
-            if args or kwargs or target is not None:
-                raise ValueError(
-                    "zbpipe: pre-split arg_mbs / kwarg_mbs / target_mbs cannot be mixed with "
-                    f"whole-batch inputs (got {len(args)} positional argument(s), keyword "
-                    f"argument(s) {sorted(kwargs)}, target {'given' if target is not None else 'None'})")
-            arg_mbs = microbatch.presplit(arg_mbs, n, "arg_mbs", (tuple, list))
-            kwarg_mbs = microbatch.presplit(kwarg_mbs, n, "kwarg_mbs", dict)
-            targets = microbatch.presplit(target_mbs, n, "target_mbs")
-            if has_first:
-                step.args = [tuple(a) for a in arg_mbs] if arg_mbs is not None else [()] * n
-            if kwarg_mbs is not None and any(kwarg_mbs):
-                step.kwargs = kwarg_mbs
-        else:
-            if has_first:
-                step.args = microbatch.split(tuple(args), n, "argument")
-            if kwargs:
-                step.kwargs = microbatch.split(dict(kwargs), n, "keyword argument")
-            targets = target  # the whole batch's; split below where the loss runs
-        has_last = any(s.is_last for s in self._stages)
-        if has_last and self._loss_fn is not None and (targets is not None or train):
-            if targets is None:
-                raise ValueError("zbpipe: the last stage needs target= (or target_mbs=) when a loss_fn is set")
-            step.targets = targets if presplit else microbatch.split(targets, n, "target")
-            step.loss_fn = self._loss_fn
-        return step
 
     def set_call_counts(self, step: int | None = None, eval: int | None = None) -> None:
         """The step() / eval() calls counted so far: the next call's failure messages name it
