@@ -4,9 +4,10 @@ thin mapping to a zbpipe.compile() name; the C++ executor runs the compiled prog
     sched = zbpipe.Schedule1F1B(stage, n_microbatches=8, loss_fn=loss_fn)
     out = sched.step(x, target=y, losses=losses)   # x on the first stage, y on the last
 
-A step's data travels through the call: step() splits the batch into a StepData (zbpipe/stage.py)
-and hands it to the executor's run, which passes it to every stage call and returns the last
-stage's outputs and losses.
+A step's data travels through the call: step() builds a StepData from the batch
+(zbpipe/step_data.py) and hands it to the executor's run (zbpipe/schedule_runner.py, which
+owns the executors), which passes it to every stage call and returns the last stage's outputs
+and losses.
 """
 
 from __future__ import annotations
@@ -14,17 +15,15 @@ from __future__ import annotations
 import contextlib
 import functools
 import threading
-import weakref
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 
 from . import _C, microbatch
-from .group_timeout import warn_if_not_below
-from .memory_probe import MemoryProbe, chrome_memory_events
 from .programs import compile as _compile
-from .stage import PipelineStage, StepData, input_signature
+from .schedule_runner import ExecutorRunner, PipelineContext  # noqa: F401 - PipelineContext: zbpipe's
+from .stage import PipelineStage
+from .step_data import StepData, input_signature
 
 
 @functools.lru_cache(maxsize=256)
@@ -67,25 +66,6 @@ class _OneRunning:
             self._lock.release()
 
 
-class PipelineContext:
-    """What a custom function gets besides the action (torch's _PipelineContext fields), plus
-    run(part): the built-in computation of the action, or of one of its sub-actions."""
-
-    def __init__(self, schedule, executor, step: StepData, losses):
-        self.schedule_ref = schedule
-        self.arg_mbs = step.args          # first stage's rank: per-microbatch positional args
-        self.kwarg_mbs = step.kwargs      # per-microbatch keyword args (None without any)
-        self.target_mbs = step.targets    # last stage's rank: per-microbatch targets
-        self.losses = losses              # the list given to step (filled after the step)
-        self.loss_kwargs = step.loss_kwargs
-        self._executor = executor
-
-    def run(self, part: _C.Action) -> None:
-        """Runs `part` (the action itself, or a sub-action of an OVERLAP_F_B) as zbpipe would:
-        waits on its receives, computes, hands its result on. Each part exactly once."""
-        self._executor.run_part(part)
-
-
 # torch's computation-type names -> zbpipe kinds (register_custom_function accepts either).
 _TORCH_KINDS = {"FORWARD": "F", "FULL_BACKWARD": "B", "BACKWARD_INPUT": "I", "BACKWARD_WEIGHT": "W",
                 "OVERLAP_F_B": "OVERLAP_F_B"}
@@ -118,15 +98,6 @@ def _rank_stages(stages) -> list[PipelineStage]:
                 f"has {first.group!r} (size {first.group_size}), stage {s.stage_index} {s.group!r} "
                 f"(size {s.group_size})")
     return ranked
-
-
-def _world_ranks(group) -> tuple[int, list[int]]:
-    """(this rank's global rank, the global rank of each rank of `group`): messages name the
-    world's ranks. (-1, []) for a group torch.distributed does not know (group ranks then)."""
-    try:
-        return dist.get_rank(), dist.get_process_group_ranks(group)
-    except Exception:  # noqa: BLE001 - an unregistered group, or no default group
-        return -1, []
 
 
 def _trains(program: _C.Program) -> bool:
@@ -236,34 +207,22 @@ class PipelineSchedule:
         if n_microbatches < 1:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
         self._stages = _rank_stages(stages)
-        self._group = self._stages[0].group
-        self._world = _world_ranks(self._group)
         self._n = n_microbatches
         self._loss_fn = loss_fn
         self._has_backward = loss_fn is not None and not self.forward_only
         self.scale_grads = scale_grads
         self._backward_requires_autograd = backward_requires_autograd
-        self._executor_options = dict(
+        self._runner = ExecutorRunner(self._stages, dict(
             timeout_s=float(timeout), device_timing=device_timing, prepost_receives=prepost_receives,
-            static_shapes=static_shapes, stream_ordered=stream_ordered, overlap_f_b=overlap_f_b)
+            static_shapes=static_shapes, stream_ordered=stream_ordered, overlap_f_b=overlap_f_b),
+            measure_memory)
         self._eval_program: _C.Program | None = None
-        self._executors: dict[bool, _C.Executor] = {}  # training? -> executor of that program
-        # training? -> whether each stage synced gradients when that executor was built
-        self._executor_syncs: dict[bool, list[bool]] = {}
         self._program: _C.Program | None = None
         if _program is not None:
             self._set_program(_program)
         elif not self._loads_program:
             self._set_program(self._compiled(compile_options))
-        self._custom: dict[_C.Kind, Callable] = {}
-        self._ctx: PipelineContext | None = None
-        self._last: _C.Executor | None = None  # the executor of the last step (trace)
-        self._measure_memory = measure_memory
-        self._memory_profile: dict | None = None  # of the last probing step
         self._one_running = _OneRunning("schedule")
-        # The user's step()/eval() calls so far: failure messages name the step by them (an
-        # owner running several schedules, as ScheduleAuto, sets them to its own counts).
-        self._calls = {"step": 0, "eval": 0}
 
     def _compiled(self, compile_options: dict | None) -> _C.Program:
         """The program of this class's schedule for the stages' layout (even layouts only)."""
@@ -283,19 +242,9 @@ class PipelineSchedule:
         if prog.pp != pp or prog.num_stages != num_stages:
             raise ValueError(f"program '{prog.schedule}' has pp={prog.pp}, num_stages={prog.num_stages}; "
                              f"the stages say pp={pp}, num_stages={num_stages}")
-        # Which stages' backward the program splits into I and W (data parallelism checks it).
-        self._split = {s.stage_index: any(a.kind == _C.Kind.I and a.stage == s.stage_index
-                                          for a in prog.action_values(s.group_rank)) for s in self._stages}
-        for s in self._stages:
-            s._bind_data_parallel(self._split[s.stage_index])
+        self._runner.bind_program(prog)
         self._program, self.schedule = prog, prog.schedule
         self._eval_program = None
-        self._executors.clear()
-
-    def _bind_data_parallel(self) -> list[bool]:
-        """Every stage's data parallelism as its module is now (torchtitan applies fully_shard
-        and assigns stage.submod after building the stages): whether each syncs gradients."""
-        return [s._bind_data_parallel(self._split[s.stage_index]) for s in self._stages]
 
     @property
     def program(self) -> _C.Program:
@@ -317,54 +266,6 @@ class PipelineSchedule:
             self._eval_program = _C.lower(_C.strip_backward(self._program.compute_only()))
         return self._eval_program
 
-    def _sync_groups(self, train: bool) -> dict:
-        """Stage index -> the data-parallel groups its gradient sync runs on (training only:
-        an eval step syncs nothing). A failure crosses to the other replicas through them."""
-        if not train:
-            return {}
-        return {s.stage_index: s._dp.groups() for s in self._stages if s._dp is not None}
-
-    def _get_executor(self, train: bool = True) -> _C.Executor:
-        train = train and self._has_backward
-        ex = self._executors.get(train)
-        if ex is None:
-            try:
-                program = self._program_for(train)
-                # The executor reads each stage's data parallelism once, here: at the first step.
-                syncs = self._bind_data_parallel()
-                sync_groups = [g for gs in self._sync_groups(train).values() for g in gs]
-                warn_if_not_below(self._executor_options["timeout_s"], [self._group, *sync_groups],
-                                  self._stages[0].device)
-                ex = _C.Executor(
-                    program, self._group, {s.stage_index: s for s in self._stages},
-                    self._stages[0].device, **self._executor_options, global_rank=self._world[0],
-                    group_ranks=self._world[1], sync_groups=self._sync_groups(train))
-            except Exception as e:  # tell the peers, whatever the device: they would wait for this rank
-                groups = [g for gs in self._sync_groups(train).values() for g in gs]
-                what = f"{type(e).__name__}: {e}"
-                _C.Executor.report_setup_failure(self._group, groups, self._world[0], what)
-                if isinstance(e, (ValueError, TypeError)):  # the caller's arguments (ScheduleError too)
-                    raise
-                # A failure of the device or backend: a PipelineError, as its peers get.
-                rank = self._world[0] if self._world[0] >= 0 else self._group.rank()
-                raise _C.PipelineError(f"rank {rank} failed while building its executor: {what}") from e
-            self._executors[train] = ex
-            self._executor_syncs[train] = syncs
-            self._install_custom(ex)
-        return ex
-
-    def _check_data_parallel(self, train: bool) -> None:
-        """ValueError where a stage's module gained or lost data parallelism (fully_shard in
-        place, a new stage.submod) after the executor that runs it read it at its first step."""
-        train = train and self._has_backward
-        for s, was, now in zip(self._stages, self._executor_syncs[train], self._bind_data_parallel()):
-            if was != now:
-                raise ValueError(
-                    f"stage {s.stage_index}: its module {'became' if now else 'is no longer'} "
-                    f"data-parallel ({type(s.submod).__name__}) after this schedule's first step; "
-                    "zbpipe reads a stage's data parallelism when a schedule first runs it: wrap "
-                    "the module (and assign stage.submod) before that, or build a new schedule")
-
     def _check_grad_mode(self) -> None:
         """step() under torch.no_grad(): torch's RuntimeError, unless backward_requires_autograd
         is False and registered functions run every backward action of this rank."""
@@ -376,26 +277,13 @@ class PipelineSchedule:
                 "(torch.no_grad() / inference_mode); call eval() for a forward-only pass")
         rank = self._stages[0].group_rank
         kinds = {a.kind for a in self.program.action_values(rank) if a.is_compute} & set(_BACKWARD_KINDS)
-        missing = sorted(k.name for k in kinds - set(self._custom))
+        missing = sorted(k.name for k in kinds - self._runner.custom_kinds)
         if missing:
             raise RuntimeError(
                 f"zbpipe: step() under torch.no_grad() with backward_requires_autograd=False: "
                 f"this rank's {', '.join(missing)} actions have no function registered "
                 "(register_custom_function), and zbpipe's own backward needs the autograd graph "
                 "of the forward")
-
-    def _install_custom(self, ex: _C.Executor) -> None:
-        fns = dict(self._custom)
-        if not fns:
-            ex.set_custom_actions(None, [])
-            return
-
-        owner = weakref.ref(self)  # the executor keeps dispatch: no cycle through C++
-
-        def dispatch(action):
-            fns[action.kind](action, owner()._ctx)
-
-        ex.set_custom_actions(dispatch, list(fns))
 
     def register_custom_function(self, computation_type, custom_function: Callable) -> None:
         """torch's hook: actions of `computation_type` (zbpipe.Kind F, B, I, W, OVERLAP_F_B, or
@@ -409,9 +297,7 @@ class PipelineSchedule:
         kind = _custom_kind(computation_type)
         if not callable(custom_function):
             raise TypeError(f"custom_function must be callable, got {custom_function!r}")
-        self._custom[kind] = custom_function
-        for ex in self._executors.values():
-            self._install_custom(ex)
+        self._runner.set_custom(kind, custom_function)
 
     def step(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
              loss_kwargs: dict | None = None, arg_mbs: list | None = None, kwarg_mbs: list | None = None,
@@ -436,7 +322,8 @@ class PipelineSchedule:
         message shapes: every microbatch must give each stage output that shape."""
         with self._one_running("step"):
             self._check_grad_mode()
-            inputs = (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+            inputs = dict(args=args, kwargs=kwargs, target=target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs,
+                          target_mbs=target_mbs)
             return self._run("step", inputs, losses, return_outputs, loss_kwargs, train=self._has_backward)
 
     def eval(self, *args, target=None, losses: list | None = None, return_outputs: bool = True,
@@ -447,41 +334,32 @@ class PipelineSchedule:
         whole batches or pre-split microbatches as step does. Runs with or without
         torch.no_grad(); every rank of the pipeline calls it together, as step."""
         with self._one_running("eval"):
-            inputs = (args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs)
+            inputs = dict(args=args, kwargs=kwargs, target=target, arg_mbs=arg_mbs, kwarg_mbs=kwarg_mbs,
+                          target_mbs=target_mbs)
             return self._run("eval", inputs, losses, return_outputs, loss_kwargs, train=False)
 
-    def _run(self, call: str, inputs: tuple, losses, return_outputs, loss_kwargs, train: bool):
-        self._calls[call] += 1
+    def _run(self, call: str, inputs: dict, losses, return_outputs, loss_kwargs, train: bool):
+        number = self._runner.count(call)
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"losses must be a list, got {type(losses).__name__}")
-        executor = self._get_executor(train)
-        executor.set_step_number(self._calls[call])  # the failure messages' "step N"
+        executor = self._runner.executor(train, self._program_for)
+        executor.set_step_number(number)  # the failure messages' "step N"
         with contextlib.ExitStack() as stage_scopes:
             try:  # this rank's own checks: a failure here is told to every peer
-                self._check_data_parallel(train)
-                step = self._step_data(inputs, return_outputs, loss_kwargs, train)
+                self._runner.check_data_parallel(train)
+                step = StepData.build(self._n, train=train, has_first=any(s.is_first for s in self._stages),
+                                      has_last=any(s.is_last for s in self._stages), loss_fn=self._loss_fn,
+                                      keep_outputs=return_outputs, loss_kwargs=loss_kwargs, **inputs)
                 first_inputs = None
-                if step.args is not None and not self._executor_options["static_shapes"]:
+                if step.args is not None and not self._runner.static_shapes:
                     first_inputs = input_signature(step)
                 for s in self._stages:
                     stage_scopes.enter_context(s._step_scope(train))
             except Exception as e:
                 executor.report_failure(f"{type(e).__name__}: {e}")
                 raise
-            if self._custom:
-                self._ctx = PipelineContext(self, executor, step, losses)
-            self._last = executor
             loss_scale = 1.0 / self._n if self.scale_grads else 1.0
-            probing = train and self._measure_memory
-            if probing:
-                step.memory_probe = MemoryProbe()
-            executor.set_memory_probe(probing)
-            try:
-                outputs, mb_losses = executor.run(step, first_inputs, loss_scale)
-            finally:
-                self._ctx = None
-            if probing:
-                self._memory_profile = step.memory_probe.profile()
+            outputs, mb_losses = self._runner.run(executor, step, first_inputs, loss_scale, self, losses)
         if not any(s.is_last for s in self._stages):
             return None
         if losses is not None:
@@ -490,67 +368,27 @@ class PipelineSchedule:
                 losses.extend(mb_losses)
         return microbatch.merge(outputs) if return_outputs else None
 
-    def _step_data(self, inputs: tuple, return_outputs, loss_kwargs, train: bool) -> StepData:
-        """The step's StepData: positional arguments where the first stage lives, targets (and
-        the loss) where the last does, keyword arguments everywhere; split here from whole
-        batches, or taken as the caller split them (arg_mbs, kwarg_mbs, target_mbs). Raises
-        ValueError for a batch that does not split, a missing target, or mixed forms."""
-        args, kwargs, target, arg_mbs, kwarg_mbs, target_mbs = inputs
-        n = self._n
-        step = StepData(train=train, keep_outputs=return_outputs, loss_kwargs=loss_kwargs or {})
-        has_first = any(s.is_first for s in self._stages)
-        presplit = arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None
-        if presplit:
-            if args or kwargs or target is not None:
-                raise ValueError(
-                    "zbpipe: pre-split arg_mbs / kwarg_mbs / target_mbs cannot be mixed with "
-                    f"whole-batch inputs (got {len(args)} positional argument(s), keyword "
-                    f"argument(s) {sorted(kwargs)}, target {'given' if target is not None else 'None'})")
-            arg_mbs = microbatch.presplit(arg_mbs, n, "arg_mbs", (tuple, list))
-            kwarg_mbs = microbatch.presplit(kwarg_mbs, n, "kwarg_mbs", dict)
-            targets = microbatch.presplit(target_mbs, n, "target_mbs")
-            if has_first:
-                step.args = [tuple(a) for a in arg_mbs] if arg_mbs is not None else [()] * n
-            if kwarg_mbs is not None and any(kwarg_mbs):
-                step.kwargs = kwarg_mbs
-        else:
-            if has_first:
-                step.args = microbatch.split(tuple(args), n, "argument")
-            if kwargs:
-                step.kwargs = microbatch.split(dict(kwargs), n, "keyword argument")
-            targets = target  # the whole batch's; split below where the loss runs
-        has_last = any(s.is_last for s in self._stages)
-        if has_last and self._loss_fn is not None and (targets is not None or train):
-            if targets is None:
-                raise ValueError("zbpipe: the last stage needs target= (or target_mbs=) when a loss_fn is set")
-            step.targets = targets if presplit else microbatch.split(targets, n, "target")
-            step.loss_fn = self._loss_fn
-        return step
-
     def set_call_counts(self, step: int | None = None, eval: int | None = None) -> None:
         """The step() / eval() calls counted so far: the next call's failure messages name it
         as call count + 1. For an owner running several schedules as one (ScheduleAuto), whose
         user counts its calls, not each inner schedule's."""
-        if step is not None:
-            self._calls["step"] = int(step)
-        if eval is not None:
-            self._calls["eval"] = int(eval)
+        self._runner.set_call_counts(step=step, eval=eval)
 
     @property
     def has_run(self) -> bool:
         """Whether a step() or eval() of this schedule ran (its executor is set up)."""
-        return self._last is not None
+        return self._runner.last is not None
 
     def output_specs(self, stage_index: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
         """(shape, dtype) of each tensor local stage `stage_index` sent on at the last step, as
         the ranks agreed them. RuntimeError before any step."""
-        if self._last is None:
+        if self._runner.last is None:
             raise RuntimeError("no step has run yet")
-        return [(tuple(shape), dtype) for shape, dtype in self._last.signatures(stage_index)[1][0]]
+        return [(tuple(shape), dtype) for shape, dtype in self._runner.last.signatures(stage_index)[1][0]]
 
     def trace(self) -> list[dict]:
         """Per-action timing of the last step (host ns; device us when timed)."""
-        return self._last.trace() if self._last is not None else []
+        return self._runner.trace()
 
     def memory_profile(self) -> dict[int, dict[str, int]]:
         """{stage_index: {"mem_f": bytes, "mem_w": bytes}} of this rank's stages, measured by
@@ -558,33 +396,23 @@ class PipelineSchedule:
         bytes of those still held from its I to its W (mem_w = mem_f on a stage without I).
         zbpipe.simulate(prog, mem_f=[...], mem_w=[...]) with them predicts the rank's peak of
         live saved bytes. RuntimeError before any such step."""
-        if self._memory_profile is None:
+        if self._runner.memory_profile is None:
             raise RuntimeError("no step has measured memory: build the schedule with measure_memory=True "
                                "(or set sched.measure_memory = True) and run a training step")
-        return {s: dict(v) for s, v in self._memory_profile.items()}
+        return {s: dict(v) for s, v in self._runner.memory_profile.items()}
 
     @property
     def measure_memory(self) -> bool:
-        return self._measure_memory
+        return self._runner.measure_memory
 
     @measure_memory.setter
     def measure_memory(self, on: bool) -> None:
-        self._measure_memory = bool(on)
+        self._runner.measure_memory = bool(on)
 
     def export_chrome_trace(self, path: str) -> None:
         """The last step's trace as Chrome JSON; with a memory profile, one counter event per
         local stage ("stage S saved bytes": mem_f, mem_w)."""
-        if self._last is None:
-            raise RuntimeError("no step has run yet")
-        self._last.export_chrome_trace(path)
-        if self._memory_profile is not None:
-            import json
-
-            with open(path) as f:
-                doc = json.load(f)
-            doc["traceEvents"].extend(chrome_memory_events(self._memory_profile, self._group.rank()))
-            with open(path, "w") as f:
-                json.dump(doc, f)
+        self._runner.export_chrome_trace(path)
 
 
 class PipelineScheduleSingle(PipelineSchedule):

@@ -1,18 +1,17 @@
 """PipelineStage: wraps the nn.Module of one pipeline stage for the C++ executor.
 
 The executor calls the ``_zb_*`` methods (through the trampoline in csrc/python/py_stage.h) in
-program order, each with the StepData of the running step: the schedule builds one per step
-and hands it to the executor's run, which passes it to every stage call and returns the last
-stage's outputs and losses. A stage keeps only what is its own (module, placement, shape cache,
-data-parallel adapter), nothing of a step. Only forwards run here: the executor keeps what a
-forward returns and runs the backward (B, or I then W) itself on the autograd engine
-(csrc/runtime/stage_backward.h).
+program order, each with the StepData of the running step (zbpipe/step_data.py): the schedule
+builds one per step and hands it to the executor's run, which passes it to every stage call and
+returns the last stage's outputs and losses. A stage keeps only what is its own (module,
+placement, shape cache, data-parallel adapter), nothing of a step. Only forwards run here: the
+executor keeps what a forward returns and runs the backward (B, or I then W) itself on the
+autograd engine (csrc/runtime/stage_backward.h).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from typing import Any, Callable
 
 import torch
@@ -22,42 +21,12 @@ from . import _tree
 from .checkpointing import recompute_once
 from .data_parallel import adapter_for
 from .deferred_linear import DeferredLinearHook
+from .step_data import StepData, input_signature, tensor_layout  # noqa: F401 - input_signature: also imported from here
 
 # What a module raises where meta tensors cannot run it (no meta kernel, a data-dependent value,
 # a conversion that needs data): shape inference then runs it for real. Any other exception is
 # the user's and propagates from the meta run as it is.
 _META_UNSUPPORTED = (NotImplementedError, RuntimeError, TypeError)
-
-
-@dataclasses.dataclass(eq=False, slots=True)
-class StepData:
-    """One step's data: built by the schedule, handed by the executor to every stage call of
-    the step (csrc/runtime/stage_handle.h, StepData), dropped when the step ends."""
-
-    train: bool                          # the step runs the backward
-    args: list | None = None             # first stage's rank: positional args per microbatch
-    kwargs: list | None = None           # keyword args per microbatch (every stage), or None
-    targets: list | None = None          # last stage's rank: target per microbatch
-    loss_fn: Callable | None = None      # last stage: loss_fn(output, target, **loss_kwargs)
-    loss_kwargs: dict = dataclasses.field(default_factory=dict)
-    keep_outputs: bool = True            # last stage: return each microbatch's output
-    # (stage, microbatch) -> the weight-gradient work its backward leaves for its W
-    # (deferred_linear's queue, dw_builder's runner): the stages' scratch, lives with the step.
-    weight_work: dict = dataclasses.field(default_factory=dict)
-    # A probing step's zbpipe.memory_probe.MemoryProbe (None: no measurement, no hook).
-    memory_probe: Any = None
-
-    def microbatch_kwargs(self, mb: int) -> dict:
-        return self.kwargs[mb] if self.kwargs else {}
-
-
-def input_signature(step: StepData) -> tuple[list, str]:
-    """The first stage's input signature of a step, under which the pipeline's shapes are
-    negotiated: every tensor in microbatch 0's positional and keyword arguments (all
-    microbatches split alike) and their layout."""
-    tensors: list[torch.Tensor] = []
-    layout = _layout((step.args[0], step.microbatch_kwargs(0)), tensors)
-    return _tree.specs_of(tensors), layout
 
 
 class PipelineStage:
@@ -213,7 +182,7 @@ class PipelineStage:
         if step.memory_probe is None:
             return contextlib.nullcontext()
         data: list[torch.Tensor] = []
-        _layout((step.args[mb] if self.is_first else None, step.microbatch_kwargs(mb),
+        tensor_layout((step.args[mb] if self.is_first else None, step.microbatch_kwargs(mb),
                  step.targets[mb] if self.is_last and step.targets is not None else None), data)
         return step.memory_probe.recording(self.stage_index, mb, self.submod, data)
 
@@ -358,19 +327,6 @@ def _check_scalar_loss(loss, stage: int, mb: int) -> None:
             f"zbpipe: loss_fn returned a loss of shape {tuple(loss.shape)} for microbatch {mb} of stage "
             f"{stage}; the backward starts from a scalar loss (grad can be implicitly created only for "
             "scalar outputs, as loss.backward() says): reduce it in loss_fn (e.g. .mean())")
-
-
-def _layout(obj, out: list) -> str:
-    """Collects the tensors nested in tuples, lists and dicts into `out`; returns the layout
-    (containers, keys and where the tensors sit; other values are only marked)."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-        return "T"
-    if isinstance(obj, (tuple, list)):
-        return "(" + ",".join(_layout(v, out) for v in obj) + ")"
-    if isinstance(obj, dict):
-        return "{" + ",".join(f"{k!r}:{_layout(v, out)}" for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))) + "}"
-    return "."
 
 
 def _to_meta(v):

@@ -46,7 +46,7 @@ def _renegotiating(rank, pp, name):
         if num_stages - 1 in mine:
             assert_close(torch.stack(losses).mean(), ref_loss, msg=f"{name} step {k} {shape}: loss")
     assert_grads_close([mods[s] for s in mine], [ref[s] for s in mine], msg=f"{name} rank {rank}")
-    return sched._get_executor().handshakes
+    return sched._runner.last.handshakes
 
 
 def _static(rank, pp):
@@ -62,9 +62,9 @@ def _static(rank, pp):
         x, y = torch.randn(rows, 8), torch.randn(rows, 8)
         try:
             sched.step(*((x,) if rank == 0 else ()), target=y if rank == PP - 1 else None)
-            out.append(("ok", "", sched._get_executor().handshakes))
+            out.append(("ok", "", sched._runner.last.handshakes))
         except Exception as e:  # noqa: BLE001
-            out.append((type(e).__name__, str(e), sched._get_executor().handshakes))
+            out.append((type(e).__name__, str(e), sched._runner.last.handshakes))
     return out
 
 
