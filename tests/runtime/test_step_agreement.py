@@ -43,6 +43,13 @@ class Tail(nn.Module):
         return self.lin(a if b is None else a + b)
 
 
+def _setup(**world_options):
+    """A two-rank loopback world, the stages' modules and a batch of 8 rows (and its target)."""
+    world = _C._LoopbackWorld(PP, **world_options)
+    torch.manual_seed(0)
+    return world, [Head(), Tail()], (torch.randn(8, WIDTH), torch.randn(8, WIDTH))
+
+
 def _reference_losses(mods, x, y):
     out = []
     for xm, ym in zip(x.chunk(M), y.chunk(M)):
@@ -59,9 +66,7 @@ def _boundary(ex, rank):
 
 @pytest.mark.parametrize("store", [True, False])
 def test_a_new_signature_handshakes_and_a_known_one_is_reused(store):
-    world = _C._LoopbackWorld(PP, store=store)
-    torch.manual_seed(0)
-    mods = [Head(), Tail()]
+    world, mods, _ = _setup(store=store)
     ref = copy.deepcopy(mods)
     rows = [8, 8, 12, 8, 12]  # microbatches of 2, 2, 3, then back to 2 and 3 rows
     batches = [(torch.randn(n, WIDTH), torch.randn(n, WIDTH)) for n in rows]
@@ -88,10 +93,7 @@ def test_a_new_signature_handshakes_and_a_known_one_is_reused(store):
 
 def test_static_shapes_agree_once_without_a_signature_message():
     # No store: a step's input signature would travel as a one-element int64 message (8 bytes).
-    world = _C._LoopbackWorld(PP)
-    torch.manual_seed(0)
-    mods = [Head(), Tail()]
-    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    world, mods, (x, y) = _setup()
 
     def rank_main(r, static):
         sched = rank_schedule(world, r, mods[r], M, static_shapes=static)
@@ -111,9 +113,7 @@ def test_static_shapes_agree_once_without_a_signature_message():
 def test_static_shapes_refuse_a_changed_shape_at_the_first_stage():
     # Stream-like waits (as on NCCL): rank 1's blocked receive does not hide rank 0's failure,
     # which reaches it through the store.
-    world = _C._LoopbackWorld(PP, stream_waits=True, store=True)
-    torch.manual_seed(0)
-    mods = [Head(), Tail()]
+    world, mods, _ = _setup(stream_waits=True, store=True)
 
     def rank_main(r):
         sched = rank_schedule(world, r, mods[r], M, static_shapes=True)
@@ -133,10 +133,7 @@ def test_static_shapes_refuse_a_changed_shape_at_the_first_stage():
 
 
 def test_signatures_before_a_step_and_of_another_rank_raise():
-    world = _C._LoopbackWorld(PP, store=True)
-    torch.manual_seed(0)
-    mods = [Head(), Tail()]
-    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    world, mods, (x, y) = _setup(store=True)
 
     def rank_main(r):
         sched = rank_schedule(world, r, mods[r], M)
@@ -161,10 +158,7 @@ def test_signatures_before_a_step_and_of_another_rank_raise():
 
 
 def test_ranks_with_different_programs_fail_before_the_first_step():
-    world = _C._LoopbackWorld(PP, store=True)
-    torch.manual_seed(0)
-    mods = [Head(), Tail()]
-    x, y = torch.randn(8, WIDTH), torch.randn(8, WIDTH)
+    world, mods, (x, y) = _setup(store=True)
 
     def rank_main(r):
         sched = rank_schedule(world, r, mods[r], M if r == 0 else 2 * M)
