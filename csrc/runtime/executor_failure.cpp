@@ -5,7 +5,6 @@
 
 #include <algorithm>
 
-#include "runtime/errors.h"
 #include "runtime/executor.h"
 
 namespace zbpipe::runtime {

@@ -69,7 +69,8 @@ def test_a_failure_before_a_step_reaches_the_peers():
     assert kind == "ValueError" and "not divisible by n_microbatches=4" in msg, out[0]
     kind, msg = out[1][0]
     first = msg.splitlines()[0]
-    assert kind == "PipelineError" and first.startswith("aborted because rank 0 failed before step 3: ValueError: "), msg
+    assert kind == "PipelineError", out[1]
+    assert first.startswith("aborted because rank 0 failed before step 3: ValueError: "), msg
     assert [out[r][1] for r in range(PP)] == [("PipelineError", REFUSED.format(r=r)) for r in range(PP)], out
 
 
