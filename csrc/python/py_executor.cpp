@@ -122,7 +122,7 @@ void report_setup_failure(const c10::intrusive_ptr<c10d::ProcessGroup>& process_
   std::vector<std::shared_ptr<c10d::ProcessGroup>> groups;
   for (auto g : sync_groups) groups.push_back(runtime::share_group(g.cast<c10::intrusive_ptr<c10d::ProcessGroup>>()));
   py::gil_scoped_release nogil;  // the stores only
-  runtime::Executor::report_setup_failure(process_group, groups, global_rank, what);
+  runtime::StepFailures::report_setup_failure(process_group, groups, global_rank, what);
 }
 
 py::tuple signatures_to_py(const runtime::Executor& executor, int stage) {

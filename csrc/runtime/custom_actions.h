@@ -1,5 +1,5 @@
 // The interface of register_custom_function: a user function replacing how the actions of
-// some kinds run (Executor::set_custom_actions, executor_custom.cpp).
+// some kinds run (Executor::set_custom_actions, CustomRun in custom_run.h).
 #pragma once
 
 #include "zbpipe/action.h"

@@ -37,26 +37,25 @@ void check_placement(const Program& p, int rank, const std::map<int, std::shared
                                     join_stages(given), "]"));
 }
 
-// The watcher polls only while a step runs.
-struct DisarmAtExit {
-  const std::unique_ptr<FailureWatch>& watch;
-  ~DisarmAtExit() {
-    if (watch) watch->disarm();
-  }
-};
+std::unique_ptr<P2P> checked(std::unique_ptr<P2P> p2p) {
+  ZB_CHECK(p2p, "executor needs a P2P channel");
+  return p2p;
+}
 
 }  // namespace
 
 Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
                    std::map<int, std::shared_ptr<StageHandle>> stages, ExecutorOptions options)
-    : program_(std::move(program)), p2p_(std::move(p2p)), options_(options) {
-  ZB_CHECK(p2p_, "executor needs a P2P channel");
-  rank_ = p2p_->rank();
+    : program_(std::move(program)),
+      p2p_(checked(std::move(p2p))),
+      options_(std::move(options)),
+      failures_(program_, p2p_->rank(), options_.global_rank, options_.group_ranks),
+      agreement_(program_, *p2p_, stages_, options_.static_shapes) {
   ZB_SCHEDULE_CHECK(p2p_->size() == program_.pp, "the process group has ", p2p_->size(),
                     " ranks but the program '", program_.schedule, "' needs pp=", program_.pp);
   ZB_SCHEDULE_CHECK(program_.has_comms() || program_.pp == 1,
                     "the executor runs lowered programs (with SEND/RECV); got a compute-only one");
-  check_placement(program_, rank_, stages);
+  check_placement(program_, rank(), stages);
   // Stream-ordered backends: refuse a program whose posts would deadlock there (a send
   // completes only once its receive is posted), before any message.
   if (p2p_->stream_ordered() && program_.pp > 1) validate_rendezvous(program_);
@@ -65,21 +64,21 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
         "prepost_receives=True needs a backend whose messages complete on the host (Gloo); "
         "this group (", p2p_->backend_name(), ") is stream-ordered, where receives are posted "
         "at their RECV action: leave prepost_receives unset"));
-  table_ = build_dispatch(program_, rank_, options_.overlap_f_b);
+  table_ = build_dispatch(program_, rank(), options_.overlap_f_b);
   if (!options_.group_ranks.empty()) {  // messages name the world's ranks
     ZB_CHECK(static_cast<int>(options_.group_ranks.size()) == program_.pp, "group_ranks has ",
              options_.group_ranks.size(), " entries for a group of ", program_.pp);
     for (Comm& k : table_.comms) {
       const bool send = k.kind == Kind::SEND_F || k.kind == Kind::SEND_B;
-      k.desc = detail::str(to_string(program_.ranks[rank_][k.index]), send ? " to rank " : " from rank ",
-                           global(k.peer));
+      k.desc = detail::str(to_string(program_.ranks[rank()][k.index]), send ? " to rank " : " from rank ",
+                           failures_.global(k.peer));
     }
   }
   adopt_stages(std::move(stages));
   // CPU compute reallocates the same large blocks every action (host_memory.h).
   if (p2p_->device().is_cpu()) keep_freed_host_memory();
   for (const Entry& e : table_.entries)
-    trace_.push_back(TraceRecord{e.label, rank_, e.index, static_cast<int>(trace_.size()), e.unit});
+    trace_.push_back(TraceRecord{e.label, rank(), e.index, static_cast<int>(trace_.size()), e.unit});
   timer_ = std::make_unique<DeviceTimer>(p2p_->device(), options_.device_timing, table_.entries.size());
   comms_ = std::make_unique<StepComms>(*p2p_, table_.comms, stages_);
 }
@@ -102,39 +101,31 @@ void Executor::adopt_stages(std::map<int, std::shared_ptr<StageHandle>> stages) 
   mark_gradient_sync(table_, syncs);
   std::vector<std::shared_ptr<c10d::ProcessGroup>> dp;
   for (const auto& st : stages_) dp.insert(dp.end(), st.sync_groups.begin(), st.sync_groups.end());
-  dp_gloo_groups_ = gloo_groups(dp);
+  sync_.gloo_groups = gloo_groups(dp);
 }
 
 Executor::~Executor() = default;
 
-const StageSignatures& Executor::signatures(int stage) const {
-  for (const auto& st : stages_)
-    if (st.stage == stage && ready_) return st.shapes.sigs;
-  throw Error(detail::str("no signatures for stage ", stage, " on rank ", rank_,
-                          " (not local, or no step has run yet)"));
-}
-
 // ---- the step -----------------------------------------------------------------------------
 
 StepResult Executor::run(const StepData& data, const Signature& first_inputs, double loss_scale) {
-  if (broken_)
-    throw PipelineError(detail::str(
-        "zbpipe: rank ", rank_, ": this schedule failed in an earlier step; its process group "
-        "may hold unmatched messages. Create a new process group and schedule."));
-  ++steps_;
+  failures_.start_step();
   StepResult result;
-  if (program_.rank_of(program_.num_stages - 1) == rank_) {
+  if (program_.rank_of(program_.num_stages - 1) == rank()) {
     result.losses.resize(program_.microbatches);
     result.outputs.resize(program_.microbatches);
   }
   struct StepScope {  // the step's data and result are reachable from stage calls only during run
     Executor& ex;
-    ~StepScope() { ex.step_ = nullptr; ex.result_ = nullptr; }
+    ~StepScope() {
+      ex.step_.data = nullptr;
+      ex.step_.result = nullptr;
+      ex.failures_.disarm();  // the watcher polls only while a step runs
+    }
   } scope{*this};
-  step_ = &data;
-  result_ = &result;
-  DisarmAtExit disarm{watch_};
-  GlooTimeoutBound bounded(dp_gloo_groups_, options_.timeout);  // restored when the step ends or fails
+  step_.data = &data;
+  step_.result = &result;
+  GlooTimeoutBound bounded(sync_.gloo_groups, options_.timeout);  // restored when the step ends or fails
   begin_step(first_inputs, loss_scale);
   const auto& entries = table_.entries;
   for (size_t i = 0; i < entries.size(); ++i) {
@@ -145,7 +136,7 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
       continue;
     }
     trace_[i].wait_ns = 0;
-    if (interrupted_.load(std::memory_order_relaxed)) fail_step(e.index, Cancelled());
+    if (failures_.interrupted()) fail_step(e.index, Cancelled());
     if (!e.concurrent) join_worker();  // an overlapped unit ends before what follows it
     if (e.on_worker) start_on_worker(i);
     else run_here(i);
@@ -159,15 +150,33 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
 void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
   or_fail_step(kStepStart, [&] {
     ensure_watch();
-    if (watch_) watch_->arm();
-    agree_before_step(first_inputs);
+    failures_.arm();
+    const std::function<void()> stop = [this] { failures_.check_stop(); };
+    agreement_.before_step({*step_.data, first_inputs, failures_.step(), options_.timeout, failures_.watch(),
+                            failures_.id(), failures_.global(program_.rank_of(0)), stop});
     meet_replicas_at_start();
   });
-  loss_scale_ = loss_scale;
+  step_.loss_scale = loss_scale;
   timer_->start_step();
   const bool prepost = options_.prepost_receives.value_or(true) && !p2p_->stream_ordered();
   or_fail_step(kStepStart, [&] { comms_->begin(prepost, options_.timeout); },
                "posting this step's receives failed: ");
+}
+
+size_t Executor::run_custom(size_t first) {
+  const int index = table_.entries[first].index;
+  size_t last = first;
+  or_fail_step(index, [&] { last = custom_.run(program_.ranks[rank()][index], table_.entries, first); });
+  return last;
+}
+
+void Executor::run_part(const Action& part) {
+  custom_.run_part(part, [this](size_t j) {
+    TraceRecord& rec = trace_[j];
+    rec.wait_ns = 0;
+    TraceScope timed(rec, *timer_, j);
+    run_synced(table_.entries[j], rec);  // a stage's last backward syncs its gradients here too
+  });
 }
 
 void Executor::run_here(size_t i) {
@@ -183,13 +192,13 @@ void Executor::run_synced(const Entry& e, TraceRecord& rec) {
   if (e.sync_grads) {
     meet_replicas(e);
     static const std::vector<at::Tensor> kNoRoots;
-    syncing_ = e.local;  // a failure from here to the sync's end leaves its collective unfinished
+    sync_.running = e.local;  // a failure from here to the sync's end leaves its collective unfinished
     stages_[e.local].handle->begin_gradient_sync(e.kind == Kind::B ? slot(e.local, e.mb).roots : kNoRoots);
   }
   run_entry(e, rec);
   if (e.sync_grads) {
     stages_[e.local].handle->end_gradient_sync();
-    syncing_ = -1;
+    sync_.running = -1;
   }
 }
 
@@ -198,12 +207,12 @@ void Executor::start_on_worker(size_t i) {
   or_fail_step(e.index, [&] {
     // The receive is waited here: P2P is not thread-safe.
     if (e.needs_recv) comms_->wait(slot(e.local, e.mb).grad_in, trace_[i].wait_ns);
-    if (!worker_) worker_ = std::make_unique<OverlapWorker>(p2p_->device());
-    worker_index_ = e.index;
+    if (!overlap_.worker) overlap_.worker = std::make_unique<OverlapWorker>(p2p_->device());
+    overlap_.index = e.index;
     const c10::Device device = p2p_->device();
     std::optional<c10::Stream> consumer;
     if (device_has_events(device)) consumer = current_stream(device);
-    worker_->start([this, i, consumer] {
+    overlap_.worker->start([this, i, consumer] {
       TraceRecord& rec = trace_[i];
       rec.worker = true;
       TraceScope timed(rec, *timer_, i);  // the backward itself, as it overlaps the forward half
@@ -213,10 +222,10 @@ void Executor::start_on_worker(size_t i) {
 }
 
 void Executor::join_worker() {
-  if (!worker_ || !worker_->busy()) return;
-  const int index = worker_index_;
-  worker_index_ = -1;
-  or_fail_step(index, [&] { worker_->join(); });  // rethrows what the backward half threw
+  if (!overlap_.worker || !overlap_.worker->busy()) return;
+  const int index = overlap_.index;
+  overlap_.index = -1;
+  or_fail_step(index, [&] { overlap_.worker->join(); });  // rethrows what the backward half threw
 }
 
 void Executor::check_comms(int index, bool finish) {
@@ -278,11 +287,11 @@ void Executor::forward(const Entry& e, TraceRecord& rec) {
   if (st.trains)
     for (size_t i = 0; i < inputs.size() && i < in_specs.size(); ++i)
       if (in_specs[i].differentiable()) inputs[i].set_requires_grad(true);
-  ForwardResult res = st.handle->forward(*step_, e.mb, inputs);
+  ForwardResult res = st.handle->forward(*step_.data, e.mb, inputs);
   auto& outs = res.tensors;
   if (e.stage == program_.num_stages - 1) {  // the loss: the root of the backward
-    result_->losses[e.mb] = std::move(res.loss);
-    result_->outputs[e.mb] = std::move(res.output);
+    step_.result->losses[e.mb] = std::move(res.loss);
+    step_.result->outputs[e.mb] = std::move(res.output);
     if (st.trains) sl.roots = std::move(outs);
   } else {
     const auto& out_specs = st.shapes.sigs.outputs.specs;
@@ -310,7 +319,7 @@ void Executor::backward(const Entry& e, const c10::Stream* consumer) {
   sl.saved_in.clear();
   if (e.stage == program_.num_stages - 1) {
     root_grads.clear();
-    for (const auto& r : roots) root_grads.push_back(at::full_like(r, loss_scale_));
+    for (const auto& r : roots) root_grads.push_back(at::full_like(r, step_.loss_scale));
     // Made on the worker's stream, read by autograd on the streams of the forward.
     if (consumer)
       for (const auto& g : root_grads) record_on_stream(g, *consumer);
@@ -318,16 +327,16 @@ void Executor::backward(const Entry& e, const c10::Stream* consumer) {
   std::vector<at::Tensor> in_grads;
   if (e.kind == Kind::B || st.queues_weight) {
     in_grads = backward_full(roots, root_grads, inputs);
-    if (st.queues_weight) st.handle->weight_work_queued(*step_, e.mb);
-    if (e.kind == Kind::B && st.queues_weight) st.handle->run_weight_work(*step_, e.mb);
+    if (st.queues_weight) st.handle->weight_work_queued(*step_.data, e.mb);
+    if (e.kind == Kind::B && st.queues_weight) st.handle->run_weight_work(*step_.data, e.mb);
   } else {
     in_grads = backward_input(roots, root_grads, inputs, sl.weight, &st.split_plans);
   }
   roots.clear();  // frees the input closure of the graph now, not at the end of the step
   if (e.handoff >= 0 || e.to_send) hand_on_input_grads(e, inputs, in_grads, consumer);
-  if (memory_probe_ && e.kind == Kind::I) {
+  if (options_.memory_probe && e.kind == Kind::I) {
     inputs.clear();  // what the graph keeps of the stage inputs for W, not this frame's refs
-    st.handle->backward_input_done(*step_, e.mb);
+    st.handle->backward_input_done(*step_.data, e.mb);
   }
 }
 
@@ -349,7 +358,7 @@ void Executor::hand_on_input_grads(const Entry& e, const std::vector<at::Tensor>
 
 void Executor::weight(const Entry& e) {
   LocalStage& st = stages_[e.local];
-  if (st.queues_weight) st.handle->run_weight_work(*step_, e.mb);
+  if (st.queues_weight) st.handle->run_weight_work(*step_.data, e.mb);
   else backward_weight(st.slot(e.mb).weight);
 }
 

@@ -17,12 +17,12 @@
 // poll interval, telling the peers.
 //
 // Rooms: executor.cpp (the step and its compute verbs), dispatch.cpp (the table),
-// step_comms.cpp (posting and tracking messages), executor_failure.cpp (teardown and the
-// failure report), executor_agreement.cpp (what ranks agree on before a step),
-// executor_custom.cpp (register_custom_function's protocol).
+// step_comms.cpp (posting and tracking messages), step_agreement.cpp (what ranks agree on
+// before a step), step_failure.cpp (the failure watch, the step count, the interrupt and the
+// failure report), custom_run.cpp (register_custom_function's protocol), executor_failure.cpp
+// (the executor's side of a failure: its teardown, the replicas' meeting points).
 #pragma once
 
-#include <atomic>
 #include <chrono>
 #include <map>
 #include <memory>
@@ -30,14 +30,15 @@
 #include <string>
 #include <vector>
 
-#include "runtime/custom_actions.h"
+#include "runtime/custom_run.h"
 #include "runtime/device.h"
 #include "runtime/dispatch.h"
-#include "runtime/failure_watch.h"
 #include "runtime/local_stage.h"
 #include "runtime/overlap_worker.h"
 #include "runtime/p2p.h"
+#include "runtime/step_agreement.h"
 #include "runtime/step_comms.h"
+#include "runtime/step_failure.h"
 #include "runtime/trace.h"
 #include "zbpipe/program.h"
 
@@ -69,6 +70,9 @@ struct ExecutorOptions {
   // collective on (DDP's group, FSDP2's shard and replicate groups). Their stores carry
   // failures between replicas, and the replicas meet before the sync (replica_barrier.h).
   std::map<int, std::vector<std::shared_ptr<c10d::ProcessGroup>>> sync_groups;  // see share_group
+  // Call StageHandle::backward_input_done after every I (Executor::set_memory_probe; off by
+  // default: a probe costs a call into the front end per I).
+  bool memory_probe = false;
 };
 
 // Not thread-safe: one thread drives an executor (its worker thread is its own business).
@@ -99,33 +103,27 @@ class Executor {
   // Per-entry timing of the last step (valid after a run that returned).
   const std::vector<TraceRecord>& trace() const { return trace_; }
   const Program& program() const { return program_; }
-  int rank() const { return rank_; }
+  int rank() const { return p2p_->rank(); }
   // The number failure reports give the next step (run() and report_failure): the caller's
   // count of its steps, where one schedule runs several executors (train and eval, or
   // ScheduleAuto's programs). Without it, run() calls of this executor are counted.
-  void set_step_number(int64_t n) { steps_ = n - 1; }
+  void set_step_number(int64_t n) { failures_.set_step_number(n); }
   // The bound of every wait from the next step on.
   void set_timeout(std::chrono::milliseconds t) { options_.timeout = t; }
   // From the next step on, call StageHandle::backward_input_done after every I (off by default:
   // a probe costs a call into the front end per I).
-  void set_memory_probe(bool on) { memory_probe_ = on; }
+  void set_memory_probe(bool on) { options_.memory_probe = on; }
   // Agreed signatures of a local stage for the last step's inputs. Throws zbpipe::Error before
   // the first step or for a stage this rank does not hold.
-  const StageSignatures& signatures(int stage) const;
-  // Shape handshakes run so far (one per distinct input signature, see negotiate_shapes).
-  int handshakes() const { return handshakes_; }
+  const StageSignatures& signatures(int stage) const { return agreement_.signatures(stage); }
+  // Shape handshakes run so far (one per distinct input signature, see StepAgreement).
+  int handshakes() const { return agreement_.handshakes(); }
 
   // A failure outside run() (the schedule's own checks before a step, on this rank): tells
   // every peer, as a failing step does, and leaves the executor unusable. Blocks on the
-  // store only; never throws.
+  // store only; never throws. (For a rank whose executor could not even be built:
+  // StepFailures::report_setup_failure.)
   void report_failure(const std::string& what);
-  // The same for a rank whose executor could not even be built (e.g. stages placed where the
-  // program does not put them, a device no backend serves): the peers' executor of the same
-  // number, on `group` and on each of `sync_groups`, learns `what`. Touches only the groups'
-  // stores (whatever the device); never throws.
-  static void report_setup_failure(const c10::intrusive_ptr<c10d::ProcessGroup>& group,
-                                   const std::vector<std::shared_ptr<c10d::ProcessGroup>>& sync_groups,
-                                   int global_rank, const std::string& what);
   // Ctrl-C: thread-safe, from any thread (the signal watcher of the binding). The running step
   // (or the next one) stops at its next wait or action, throws zbpipe::Cancelled, and its
   // peers are told "rank R was interrupted"; the executor is unusable afterwards.
@@ -134,7 +132,9 @@ class Executor {
   // Actions of `kinds` (compute kinds) run through `handler` from the next step on; an empty
   // list or a null handler restores the built-in computation. Call between steps. Throws
   // zbpipe::Error for a kind that is not a compute kind.
-  void set_custom_actions(std::shared_ptr<CustomActions> handler, const std::vector<Kind>& kinds);
+  void set_custom_actions(std::shared_ptr<CustomActions> handler, const std::vector<Kind>& kinds) {
+    custom_.set(std::move(handler), kinds);
+  }
   // From inside CustomActions::run only: runs `part`, the action being run or one of its
   // sub-actions, with the built-in computation (waiting on its receives, handing its result
   // on). Blocks as that computation does. Throws zbpipe::Error outside a custom function, for
@@ -142,18 +142,24 @@ class Executor {
   void run_part(const Action& part);
 
  private:
+  static constexpr int kStepStart = StepFailures::kStepStart;
+  static constexpr int kStepEnd = StepFailures::kStepEnd;
+
   // The local stages from their handles (LocalStage), and the entries that sync gradients.
   void adopt_stages(std::map<int, std::shared_ptr<StageHandle>> stages);
 
   // ---- the step (executor.cpp) ---------------------------------------------------------
-  // Agrees on program and shapes (under `first_inputs`), posts early receives.
+  // Sets up the failure watch, agrees on program and shapes (under `first_inputs`), meets the
+  // replicas, posts early receives.
   void begin_step(const Signature& first_inputs, double loss_scale);
   // Whether entry `e` runs through custom_: the program's action decides (an OVERLAP_F_B
   // unit, not its parts). Inline: asked once per entry.
   bool runs_custom(const Entry& e) const {
-    return custom_ && !e.is_comm() &&
-           (custom_kinds_ >> static_cast<int>(program_.ranks[rank_][e.index].kind) & 1u);
+    return !e.is_comm() && custom_.runs(program_.ranks[rank()][e.index].kind);
   }
+  // Runs the action of entries[first] (all its entries) through custom_; returns the index
+  // of its last entry.
+  size_t run_custom(size_t first);
   void run_here(size_t i);             // entry i on this thread, timed; fails the step
   void start_on_worker(size_t i);      // waits entry i's receive here, runs it on the worker
   void join_worker();                  // a failure of the worker's entry fails the step
@@ -180,14 +186,13 @@ class Executor {
                      const char* what, int stage, int mb) const;
   Slot& slot(int local, int mb) { return stages_[local].slot(mb); }
 
-  // ---- failure (executor_failure.cpp) ---------------------------------------------------
-  static constexpr int kStepStart = -2;  // a failure before the step's first action
-  static constexpr int kStepEnd = -1;    // one after the last (waiting for the sends)
-  // Tears the step down (abandon_in_flight), marks the executor broken, tells the peers (or
-  // names the peer's failure that caused this one) and throws PipelineError whose first line
-  // names the failing rank, stage and action (`index`: the failing action's, kStepStart or
-  // kStepEnd) and the cause `ex`, with the program grid marked; zbpipe::Cancelled instead
-  // when this rank was interrupted.
+  // ---- the executor's side of a failure (executor_failure.cpp) ----------------------------
+  // The failure watch on first use (groups of 2+ ranks, or data-parallel stages) and, with it,
+  // the meeting points of each data-parallel stage's replicas.
+  void ensure_watch();
+  // Tears the step down (abort_communication, abandon_in_flight), then StepFailures::fail:
+  // throws PipelineError naming the failing action (`index`: its index, kStepStart or
+  // kStepEnd) and the cause `ex`, its text after `prefix`; Cancelled when interrupted.
   [[noreturn]] void fail_step(int index, const std::exception& ex, const char* prefix = "");
   // Runs `f`; a std::exception it throws fails the step at `index`, its text after `prefix`.
   template <typename F>
@@ -198,13 +203,6 @@ class Executor {
       fail_step(index, ex, prefix);
     }
   }
-  // Where action `index` of this rank is, for a failure's first line: "in stage 1 at action
-  // 1F2 (microbatch 2)", "at the start of step 3", ...
-  std::string where(int index) const;
-  // The global rank of group rank `r` (the world's numbering, which every message uses).
-  int global(int r) const;
-  // Throws (to end a wait) when a peer's failure was seen or this rank was interrupted.
-  void check_stop() const;
   // Before a data-parallel stage's sync: every replica reached it (replica_barrier.h).
   void meet_replicas(const Entry& e);
   // At a training step's start, before any forward's collective: every replica of every
@@ -219,74 +217,38 @@ class Executor {
   void abort_communication();
   void clear_slots();
 
-  // ---- step-start agreement (executor_agreement.cpp) ------------------------------------
-  void ensure_watch();       // executor id + failure watch, on first use (groups of 2+ ranks)
-  // Program fingerprints (first step), then negotiate_shapes.
-  void agree_before_step(const Signature& first_inputs);
-  // The first stage's rank sends the index of the step's input signature (`first_inputs`) to
-  // every rank; a new signature runs the handshake (every rank learns it is new from the index).
-  void negotiate_shapes(const Signature& first_inputs);
-  // The index of the step's input signature among shape_sets_ (its size: a new one), named by
-  // the first stage's rank (which also sets `key` to `first_inputs`) through the group's store,
-  // or as a message where the group has none. Blocks on it (at most the timeout); throws
-  // PipelineError.
-  int64_t exchange_signature_index(const Signature& first_inputs, Signature& key);
-  // A non-first rank's read of the index through the store (see the note in
-  // executor_agreement.cpp). Blocks on the store only, at most the timeout; throws
-  // PipelineError, CommAborted when a peer failed.
-  int64_t read_signature_index(int r0);
-  void adopt_shapes(int set);  // make shape set `set` the current one
-
-  // ---- register_custom_function (executor_custom.cpp) -----------------------------------
-  // Runs the action of entries[first] (all its entries) through custom_; returns the index
-  // of its last entry.
-  size_t run_custom(size_t first);
-
-  // One negotiated signature set: the key (the first stage's step inputs) and what follows.
-  struct ShapeSet {
-    Signature key;
-    std::vector<StageShapes> stages;  // by local index
+  // The running step: set by run, cleared when it returns or fails.
+  struct RunningStep {
+    const StepData* data = nullptr;  // reachable from stage calls only during run
+    StepResult* result = nullptr;    // what run returns, filled by the last stage's forwards
+    double loss_scale = 1.0;         // the gradient each microbatch loss starts its backward with
   };
-  // The custom action running now: its entries [begin, end) and which of them ran.
-  struct CustomRun {
-    size_t begin = 0, end = 0;
-    std::vector<uint8_t> done;
+  // The OVERLAP_F_B worker: created at the first overlapped unit.
+  struct Overlap {
+    std::unique_ptr<OverlapWorker> worker;
+    int index = -1;  // action index of the unit it runs
+  };
+  // The stages' gradient sync on their data-parallel groups.
+  struct GradientSync {
+    // The groups that have a Gloo backend, once each (GlooTimeoutBound bounds them every step).
+    std::vector<std::shared_ptr<c10d::ProcessGroup>> gloo_groups;
+    int running = -1;  // local index of the stage inside its sync (its collective), or -1
   };
 
   Program program_;
   std::unique_ptr<P2P> p2p_;
-  int rank_;
-  ExecutorOptions options_;
+  ExecutorOptions options_;         // set_timeout and set_memory_probe change them between steps
   std::vector<LocalStage> stages_;  // by local index (ascending global stage)
   DispatchTable table_;
   std::vector<TraceRecord> trace_;  // per entry of table_
-  const StepData* step_ = nullptr;  // the running step's data (set by run, null between steps)
-  StepResult* result_ = nullptr;    // what run returns, filled by the last stage's forwards
   std::unique_ptr<DeviceTimer> timer_;
   std::unique_ptr<StepComms> comms_;
-  double loss_scale_ = 1.0;
-
-  std::shared_ptr<CustomActions> custom_;  // register_custom_function's handler, or null
-  uint32_t custom_kinds_ = 0;              // bit k: Kind k runs through custom_
-  CustomRun part_;
-  std::unique_ptr<OverlapWorker> worker_;  // created at the first overlapped unit
-  int worker_index_ = -1;                  // action index of the unit the worker runs
-
-  bool ready_ = false;   // handshake done
-  bool memory_probe_ = false;  // set_memory_probe
-  bool broken_ = false;  // a step failed
-  // The data-parallel groups of this rank's stages that have a Gloo backend, once each
-  // (GlooTimeoutBound bounds them every step).
-  std::vector<std::shared_ptr<c10d::ProcessGroup>> dp_gloo_groups_;
-  int syncing_ = -1;     // local index of the stage inside its gradient sync (its collective), or -1
-  std::vector<ShapeSet> shape_sets_;  // in negotiation order (equal on every rank)
-  int current_set_ = -1;
-  int handshakes_ = 0;
-  int64_t steps_ = 0;                 // the running step's number in failure reports (set_step_number)
-  int64_t id_ = -1;                   // executor id on the group (failure_watch.h)
-  bool agreed_ = false;               // program fingerprints compared
-  std::unique_ptr<FailureWatch> watch_;
-  std::atomic<bool> interrupted_{false};  // interrupt() was called
+  RunningStep step_;
+  Overlap overlap_;
+  GradientSync sync_;
+  StepFailures failures_;    // the watch, the step count, the interrupt, the report
+  StepAgreement agreement_;  // program fingerprints and the known shape sets
+  CustomRun custom_;         // register_custom_function's handler and the parts it ran
 };
 
 }  // namespace zbpipe::runtime

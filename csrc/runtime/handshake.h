@@ -29,7 +29,7 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
 
 // Tags of the handshake messages, disjoint from the per-microbatch data tags.
 int handshake_tag(int stage, bool backward);
-// Tag of the per-step message naming the step's input signature (executor_agreement.cpp).
+// Tag of the per-step message naming the step's input signature (step_agreement.cpp).
 int step_signature_tag();
 
 }  // namespace zbpipe::runtime

@@ -110,3 +110,18 @@ def record(name: str, pp: int, microbatches: int, boundary: str = "one", *, prog
         loss_fn(out, y).backward()
         assert_grads_close(mods, ref, msg=f"{prog.schedule} pp={pp} m={microbatches} {boundary}:")
     return {r: world.events(r) for r in range(pp)}
+
+
+def rank_schedule(world, rank, module, microbatches, schedule=zbpipe.Schedule1F1B, stage_kwargs=None, **kwargs):
+    """`rank`'s schedule on `world` for a pipeline of one stage per rank (stage index = rank)
+    running `module` (PipelineStage(**stage_kwargs)), with an MSE loss, NCCL's posting
+    discipline (stream_ordered) and a 30 s timeout unless given."""
+    stage = zbpipe.PipelineStage(module, rank, world.size, "cpu", group=world.group(rank), **(stage_kwargs or {}))
+    kwargs.setdefault("timeout", 30.0)
+    kwargs.setdefault("stream_ordered", True)
+    return schedule(stage, microbatches, loss_fn=F.mse_loss, **kwargs)
+
+
+def rank_step(sched, world, rank, x, y, **kwargs):
+    """sched.step with `x` on the first stage's rank and `y` on the last's (one stage per rank)."""
+    return sched.step(*((x,) if rank == 0 else ()), target=y if rank == world.size - 1 else None, **kwargs)
