@@ -125,3 +125,9 @@ def rank_schedule(world, rank, module, microbatches, schedule=zbpipe.Schedule1F1
 def rank_step(sched, world, rank, x, y, **kwargs):
     """sched.step with `x` on the first stage's rank and `y` on the last's (one stage per rank)."""
     return sched.step(*((x,) if rank == 0 else ()), target=y if rank == world.size - 1 else None, **kwargs)
+
+
+def training_executor(sched):
+    """The C++ executor of `sched`'s training program (built at its first use): the white-box
+    tests read its handshakes, signatures and run_part."""
+    return sched._runner.executor(True, sched._program_for)

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers.asserts import assert_grads_close
-from helpers.loopback import rank_schedule, rank_step, run_threads
+from helpers.loopback import rank_schedule, rank_step, run_threads, training_executor
 
 import zbpipe
 from zbpipe import _C
@@ -71,7 +71,7 @@ def test_run_part_outside_a_custom_function_is_refused():
     sched, out = _one_rank(keep)
     assert out == ["ok"] and len(kept) == M, (out, kept)
     action, ctx = kept[0]
-    for run in (ctx.run, sched._get_executor().run_part):  # after the step, as the executor's own call
+    for run in (ctx.run, training_executor(sched).run_part):  # after the step, as the executor's own call
         with pytest.raises(RuntimeError, match=r"run_part\('0F0'\) called outside a custom function of a running step"):
             run(action)
 
@@ -80,7 +80,7 @@ def test_a_function_registered_or_removed_between_steps_applies_from_the_next_st
     world = _C._LoopbackWorld(1)
     torch.manual_seed(0)
     sched = rank_schedule(world, 0, nn.Linear(4, 4), M, schedule=zbpipe.ScheduleGPipe)
-    ex = sched._get_executor()
+    ex = training_executor(sched)
     seen = []
 
     def fn(action):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from helpers.loopback import rank_schedule, rank_step, run_threads
+from helpers.loopback import rank_schedule, rank_step, run_threads, training_executor
 
 import zbpipe
 from zbpipe import _C
@@ -77,7 +77,7 @@ def test_a_new_signature_handshakes_and_a_known_one_is_reused(store):
         for x, y in batches:
             losses = []
             rank_step(sched, world, r, x, y, losses=losses)
-            ex = sched._get_executor()
+            ex = training_executor(sched)
             seen.append((ex.handshakes, _boundary(ex, r), losses))
         return seen
 
@@ -100,7 +100,7 @@ def test_static_shapes_agree_once_without_a_signature_message():
         for _ in range(2):
             rank_step(sched, world, r, x, y)
         one_element = [op for kind, _, _, ops in world.events(r) if kind == "post" for op in ops if op[3] == 8]
-        return sched._get_executor().handshakes, len(one_element)
+        return training_executor(sched).handshakes, len(one_element)
 
     static = run_threads(world, lambda r: rank_main(r, True), timeout=60)
     world.clear_events()
@@ -121,8 +121,8 @@ def test_static_shapes_refuse_a_changed_shape_at_the_first_stage():
             try:
                 rank_step(sched, world, r, torch.randn(n, WIDTH), torch.randn(8, WIDTH))
             except zbpipe.PipelineError as e:
-                return str(e), sched._get_executor().handshakes
-        return "no error", sched._get_executor().handshakes
+                return str(e), training_executor(sched).handshakes
+        return "no error", training_executor(sched).handshakes
 
     out = run_threads(world, rank_main, timeout=60)
     msg, handshakes = out[0]
@@ -137,7 +137,7 @@ def test_signatures_before_a_step_and_of_another_rank_raise():
 
     def rank_main(r):
         sched = rank_schedule(world, r, mods[r], M)
-        ex, errors = sched._get_executor(), []
+        ex, errors = training_executor(sched), []
         for stage in (r, "step", 1 - r):
             if stage == "step":
                 rank_step(sched, world, r, x, y)
