@@ -25,7 +25,7 @@ class RankMeasurements(TypedDict):
     microbatches: int
     costs: dict   # {stage: {"f", "i", "w", "b": seconds or None}} (profile_from_trace), local stages
     deltas: dict  # {stage: {"mem_f", "mem_w": bytes}} (memory_profile()), local stages
-    comm_s: float  # one hop of a boundary-sized message (hop_s), the same on every rank
+    comm_s: float  # one hop of a boundary-sized message (ring_hop_s), the same on every rank
     walls: list[float]  # each timing step's wall time on this rank
 
 
@@ -70,6 +70,40 @@ def hop_s(nbytes: int, device: torch.device, group: Any = None, reps: int = 20) 
     shared = [statistics.median(times[2:]) / 2 if times else 0.0]
     dist.broadcast_object_list(shared, group=group, group_src=0)  # one value everywhere
     return shared[0]
+
+
+# The tag of ring_hop_s's token: the executor's messages on the pipeline group never use it
+# (they are tagged by action), and none is in flight between steps, when a tuning measures.
+RING_TAG = 77
+
+
+def ring_hop_s(nbytes: int, device: torch.device, group: Any, loops: int = 5) -> float:
+    """One hop of a message of `nbytes` on the pipeline `group`: group rank 0 passes a token
+    round the ring (each rank receives, then sends on) and times the loop, so no rank's late
+    start is counted; the median of `loops` loops after one to warm up, over pp hops. Group
+    rank 0's value on every rank, 0.0 in a group of one. ScheduleAuto's comm (hop_s's
+    ping-pong between two ranks, each try after a barrier, reads about twice as long on a
+    2-core host: docs/autotune.md)."""
+    pp, rank = group.size(), group.rank()
+    if pp < 2:
+        return 0.0
+    buf = torch.zeros(nbytes // 4 + 1, device=device)
+    nxt, prv = (rank + 1) % pp, (rank - 1) % pp
+    times = []
+    for _ in range(loops + 1):
+        sync_device(device)
+        start = time.perf_counter()
+        if rank == 0:
+            group.send([buf], nxt, RING_TAG).wait()
+            group.recv([buf], prv, RING_TAG).wait()
+        else:
+            group.recv([buf], prv, RING_TAG).wait()
+            group.send([buf], nxt, RING_TAG).wait()
+        sync_device(device)
+        times.append(time.perf_counter() - start)
+    hop = [statistics.median(times[1:]) / pp]
+    dist.broadcast_object_list(hop, src=dist.get_global_rank(group, 0), group=group)
+    return hop[0]
 
 
 def boundary_bytes(schedule, stages) -> int:

@@ -25,7 +25,7 @@ import torch
 
 from . import _C
 from .auto_plan import COST_DRIVEN, Candidate, Tuning, plan  # noqa: F401  (Candidate, Tuning: importable here)
-from .measurements import RankMeasurements, boundary_bytes, gather, hop_s, merge
+from .measurements import RankMeasurements, boundary_bytes, gather, merge, ring_hop_s
 from .programs import compile as _compile
 from .schedules import PipelineSchedule, _OneRunning, _rank_stages
 from .stage_costs import profile_from_trace
@@ -343,7 +343,7 @@ class ScheduleAuto:
     def _measurements(self, timing: _Timing) -> RankMeasurements:
         """This rank's record of the tuning, its P2P hop measured now (every rank takes part)."""
         nbytes = max(gather(boundary_bytes(timing.measuring, self._stages), self._group))
-        comm_s = hop_s(nbytes, self._stages[0].device, self._group)
+        comm_s = ring_hop_s(nbytes, self._stages[0].device, self._group)
         return RankMeasurements(rank=self._rank, num_stages=self._num_stages, microbatches=self._n,
                                 costs=profile_from_trace(timing.records, clock=self._clock),
                                 deltas=timing.deltas, comm_s=comm_s, walls=list(timing.walls))

@@ -1,7 +1,8 @@
 """zbpipe/measurements.py: merge() of the ranks' records (the pipeline's costs and deltas, the
 largest hop, each timing step's slowest wall time, ScheduleAuto's errors where ranks disagree)
 and boundary_bytes() without processes; hop_s() and gather() over a group of three Gloo ranks
-(rank 2 only joins the barriers, yet gets rank 0's value) and hop_s() in a group of one."""
+(rank 2 only joins the barriers, yet gets rank 0's value), ScheduleAuto's ring_hop_s() over the
+same group, and both in a group of one."""
 
 from __future__ import annotations
 
@@ -60,13 +61,15 @@ def _hops(rank, size):
     import torch
     import torch.distributed as dist
 
-    from zbpipe.measurements import gather, hop_s
+    from zbpipe.measurements import gather, hop_s, ring_hop_s
 
     group = dist.new_group(list(range(size)), backend="gloo")
     singles = [dist.new_group([r], backend="gloo") for r in range(size)]
     hop = hop_s(1 << 16, torch.device("cpu"), group, reps=3)
     return dict(hop=hop, small=hop_s(4, torch.device("cpu"), group, reps=3),
-                single=hop_s(1 << 16, torch.device("cpu"), singles[rank]), gathered=gather(rank * 10, group))
+                single=hop_s(1 << 16, torch.device("cpu"), singles[rank]), gathered=gather(rank * 10, group),
+                ring=ring_hop_s(1 << 16, torch.device("cpu"), group),
+                ring_single=ring_hop_s(1 << 16, torch.device("cpu"), singles[rank]))
 
 
 def test_hop_s_is_one_value_on_every_rank(spawn_world):
@@ -74,3 +77,5 @@ def test_hop_s_is_one_value_on_every_rank(spawn_world):
     assert all(r["hop"] == results[0]["hop"] > 0 and r["small"] == results[0]["small"] > 0 for r in results), results
     assert all(r["single"] == 0.0 for r in results), results  # a group of one: no hop
     assert all(r["gathered"] == [0, 10, 20] for r in results), results
+    # ScheduleAuto's ring: one value everywhere too (rank 0's), none in a group of one.
+    assert all(r["ring"] == results[0]["ring"] > 0 and r["ring_single"] == 0.0 for r in results), results
