@@ -8,11 +8,9 @@ processes, Gloo over a FileStore (the store outlives the killed rank)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import time
 
-from helpers.subprocess_env import NEUTRAL_CWD, child_env
+from helpers.subprocess_env import rank_workers
 
 BOUND_S = 30.0
 WORKER = r'''
@@ -47,22 +45,12 @@ os._exit(0)
 
 
 def test_a_peer_killed_between_steps_ends_the_program_comparison(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path)], env=child_env(),
-                              cwd=NEUTRAL_CWD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
-    try:
+    with rank_workers(WORKER, tmp_path, 2) as procs:
         procs[1].wait(timeout=180)  # killed after its step (the first start may be slow)
         start = time.monotonic()
         while procs[0].poll() is None and time.monotonic() < start + BOUND_S:
             time.sleep(0.05)
         assert procs[0].poll() is not None, f"rank 0 still waiting {BOUND_S} s after rank 1 was killed"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     kind, msg, seconds = json.loads((tmp_path / "result0.json").read_text())
     print(f"rank 0: {kind} after {seconds:.1f} s: {msg.splitlines()[0] if msg else ''}")
     assert kind == "PipelineError", (kind, msg)

@@ -11,12 +11,9 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
-from helpers.subprocess_env import NEUTRAL_CWD, child_env
+from helpers.subprocess_env import rank_workers, wait_for_file
 
 PP = 3
 BOUND_S = 60.0
@@ -61,37 +58,19 @@ os._exit(0)  # unmatched messages may remain in the group: no teardown
 '''
 
 
-def _wait_for(path: Path, procs, deadline: float) -> None:
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} did not appear (ranks: {[p.poll() for p in procs]})"
-        # A rank that finished (rank 0 writes its results and exits once interrupted) is fine;
-        # one that crashed ends the wait.
-        assert all(p.poll() in (None, 0) for p in procs), [p.poll() for p in procs]
-        time.sleep(0.05)
-
-
 def test_ctrl_c_interrupts_a_waiting_rank_and_its_peers_are_told(tmp_path):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path)], env=child_env(),
-                              cwd=NEUTRAL_CWD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(PP)]
-    deadline = time.monotonic() + BOUND_S
-    try:
-        _wait_for(tmp_path / "computing", procs, deadline + 120)  # the first start may be slow
+    with rank_workers(WORKER, tmp_path, PP) as procs:
+        deadline = time.monotonic() + BOUND_S
+        wait_for_file(tmp_path / "computing", procs, deadline + 120)  # the first start may be slow
         time.sleep(1.0)  # ranks 0 and 1 are now blocked waiting on their peers
         os.kill(procs[0].pid, signal.SIGINT)
         deadline = time.monotonic() + BOUND_S
+        # (rank 0, interrupted, writes its results and exits 0 meanwhile: wait_for_file allows it)
         for r in (0, 1):
-            _wait_for(tmp_path / f"reported{r}", procs[:2], deadline)
+            wait_for_file(tmp_path / f"reported{r}", procs[:2], deadline)
         (tmp_path / "released").touch()
         for p in procs:
             p.wait(timeout=max(1.0, deadline - time.monotonic()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
     results = {r: json.loads((tmp_path / f"result{r}.json").read_text()) for r in range(PP)}
     assert results[0]["first"][0] == "KeyboardInterrupt", results[0]
     assert results[0]["again"][0] == "PipelineError", results[0]

@@ -11,13 +11,10 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import pytest
-from helpers.subprocess_env import NEUTRAL_CWD, child_env
+from helpers.subprocess_env import rank_workers, wait_for_file
 
 BOUND_S = 30.0  # far below the waits' timeout (100 s)
 WORKER = r'''
@@ -65,38 +62,24 @@ os._exit(0)  # unmatched messages may remain in the group: no teardown
 '''
 
 
-def _wait_for(path: Path, procs, deadline: float) -> None:
-    while not path.exists():
-        assert time.monotonic() < deadline, f"{path.name} did not appear (ranks: {[p.poll() for p in procs]})"
-        time.sleep(0.02)
-
-
 @pytest.mark.parametrize("mode", ["agreement", "handshake"])
 def test_ctrl_c_interrupts_the_waits_before_the_first_action(tmp_path, mode):
-    script = tmp_path / "worker.py"
-    script.write_text(WORKER)
-    procs = [subprocess.Popen([sys.executable, str(script), str(r), str(tmp_path), mode], env=child_env(),
-                              cwd=NEUTRAL_CWD, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-             for r in range(2)]
     waiter = 0 if mode == "agreement" else 1
-    try:
-        start = time.monotonic() + 120  # the first start may be slow
-        _wait_for(tmp_path / "waiting", procs, start)
-        _wait_for(tmp_path / "holding", procs, start)
-        time.sleep(1.0)  # the waiting rank is now inside its wait
-        os.kill(procs[waiter].pid, signal.SIGINT)
-        sent = time.monotonic()
-        _wait_for(tmp_path / f"reported{waiter}", procs, sent + BOUND_S)
-        took = time.monotonic() - sent
-        (tmp_path / "released").touch()
-        for p in procs:
-            p.wait(timeout=BOUND_S)
-    finally:
-        (tmp_path / "released").touch()
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    with rank_workers(WORKER, tmp_path, 2, mode) as procs:
+        try:
+            start = time.monotonic() + 120  # the first start may be slow
+            wait_for_file(tmp_path / "waiting", procs, start)
+            wait_for_file(tmp_path / "holding", procs, start)
+            time.sleep(1.0)  # the waiting rank is now inside its wait
+            os.kill(procs[waiter].pid, signal.SIGINT)
+            sent = time.monotonic()
+            wait_for_file(tmp_path / f"reported{waiter}", procs, sent + BOUND_S)
+            took = time.monotonic() - sent
+            (tmp_path / "released").touch()
+            for p in procs:
+                p.wait(timeout=BOUND_S)
+        finally:
+            (tmp_path / "released").touch()
     result = json.loads((tmp_path / f"result{waiter}.json").read_text())
     print(f"{mode}: KeyboardInterrupt {took:.2f} s after SIGINT")
     assert result["first"][0] == "KeyboardInterrupt", (result, took)
