@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
+import warnings
 from typing import Callable
 
 import torch
@@ -112,6 +114,15 @@ class PipelineSchedule:
         stages: this rank's PipelineStage, or the list of them (multi-stage schedules).
         n_microbatches: microbatches per step (the batch must split evenly).
         loss_fn: loss_fn(output, target, **loss_kwargs) on the last stage; None runs forward only.
+        args_chunk_spec, kwargs_chunk_spec: torch's chunk specs (zbpipe/microbatch.py): per
+            positional argument and per keyword argument (pytrees mirroring them), a
+            ``TensorChunkSpec(dim)`` splits a tensor along ``dim``, ``_Replicate`` hands it
+            whole to every microbatch; None: tensors along dim 0, other values replicated.
+            Microbatches must split evenly (one shape per step).
+        output_merge_spec: torch's merge spec of the last stage's outputs (a pytree mirroring
+            them): ``TensorChunkSpec(dim)`` concatenates along ``dim``, a ``_CustomReducer``
+            (torch's ``sum_reducer``) reduces, anything else keeps a value every microbatch
+            gave equal; None: tensors along dim 0 (0-d ones stacked).
         scale_grads: gradients of the mean microbatch loss (as one full-batch mean loss; False:
             of their sum, for a loss_fn that already divides, as torchtitan's). The scaling is
             applied to each microbatch loss before its backward, so gradients accumulated from
@@ -124,6 +135,9 @@ class PipelineSchedule:
             torch.enable_grad()). zbpipe's own backward runs the autograd graph of the
             forward, so a step under no_grad that would run it raises RuntimeError naming
             the kinds, with either value.
+        use_full_backward: torch's deprecated flag: accepted with a warning, ignored.
+        defer_pp_recv: torch's option to post receives late: each receive is posted at its
+            RECV action in the program (prepost_receives=False), not at step start.
         timeout: seconds any single wait may take before the step fails on this rank.
         device_timing: record per-action device times (accelerators) and each action's thread CPU
             time (cpu_ns) in trace().
@@ -181,12 +195,14 @@ class PipelineSchedule:
         stages: PipelineStage | list[PipelineStage],
         n_microbatches: int,
         loss_fn: Callable | None = None,
-        *,
         args_chunk_spec=None,
         kwargs_chunk_spec=None,
         output_merge_spec=None,
         scale_grads: bool = True,
         backward_requires_autograd: bool = True,
+        *,
+        use_full_backward: bool | None = None,
+        defer_pp_recv: bool = False,
         timeout: float = 300.0,
         device_timing: bool = False,
         compile_options: dict | None = None,
@@ -197,10 +213,15 @@ class PipelineSchedule:
         measure_memory: bool = False,
         _program: _C.Program | None = None,
     ):
-        if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
-            raise NotImplementedError(
-                "zbpipe splits tensors along dim 0 and concatenates outputs along dim 0; custom "
-                "chunk/merge specs are not supported")
+        if use_full_backward is not None:  # torch's deprecated flag, ignored as torch ignores it
+            warnings.warn("use_full_backward is no longer supported (as in torch): stop passing it",
+                          FutureWarning, stacklevel=2)
+        if defer_pp_recv:  # torch's: receives posted where the program needs them, not at step start
+            if prepost_receives:
+                raise ValueError("defer_pp_recv=True posts each receive at its RECV action; "
+                                 "prepost_receives=True posts them all at step start: give one")
+            prepost_receives = False
+        self._chunk_specs = microbatch.ChunkSpecs(args_chunk_spec, kwargs_chunk_spec, output_merge_spec)
         if not self.schedule and _program is None and not self._loads_program:
             raise TypeError(f"{type(self).__name__} is a base class: use a schedule class "
                             "(zbpipe.get_schedule_class) or from_program")
@@ -349,10 +370,11 @@ class PipelineSchedule:
                 self._runner.check_data_parallel(train)
                 step = StepData.build(self._n, train=train, has_first=any(s.is_first for s in self._stages),
                                       has_last=any(s.is_last for s in self._stages), loss_fn=self._loss_fn,
-                                      keep_outputs=return_outputs, loss_kwargs=loss_kwargs, **inputs)
+                                      keep_outputs=return_outputs, loss_kwargs=loss_kwargs,
+                                      chunk_specs=self._chunk_specs, **inputs)
                 first_inputs = None
                 if step.args is not None and not self._runner.static_shapes:
-                    first_inputs = input_signature(step)
+                    first_inputs = input_signature(step, self._stages[0].device.type)
                 for s in self._stages:
                     stage_scopes.enter_context(s._step_scope(train))
             except Exception as e:
@@ -366,7 +388,7 @@ class PipelineSchedule:
             losses.clear()
             if step.targets is not None:
                 losses.extend(mb_losses)
-        return microbatch.merge(outputs) if return_outputs else None
+        return self._chunk_specs.merge(outputs) if return_outputs else None
 
     def set_call_counts(self, step: int | None = None, eval: int | None = None) -> None:
         """The step() / eval() calls counted so far: the next call's failure messages name it
@@ -415,12 +437,52 @@ class PipelineSchedule:
         self._runner.export_chrome_trace(path)
 
 
+def _zbpipe_options(init):
+    """Declares `init`'s signature as torch's parameters (its own, up to ``**options``)
+    followed by PipelineSchedule's other parameters, keyword-only: the ``**options`` that
+    `init` hands on to PipelineSchedule.__init__ (help() and inspect show them all)."""
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    names = {p.name for p in own} | {"stages"}
+    extra = [p.replace(kind=p.KEYWORD_ONLY) for p in inspect.signature(PipelineSchedule.__init__).parameters.values()
+             if p.name not in names and not p.name.startswith("_")]
+    init.__signature__ = inspect.Signature(own + extra)
+    return init
+
+
 class PipelineScheduleSingle(PipelineSchedule):
-    """Base of the schedules with one stage per rank (torch's name, for issubclass checks)."""
+    """Base of the schedules with one stage per rank (torch's name and signature)."""
+
+    @_zbpipe_options
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable | None = None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
+                 **options):
+        super().__init__(stage, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads, **options)
 
 
 class PipelineScheduleMulti(PipelineSchedule):
-    """Base of the schedules that take a list of stages per rank (torch's name)."""
+    """Base of the schedules that take a list of stages per rank (torch's name and signature)."""
+
+    @_zbpipe_options
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
+                 use_full_backward: bool | None = None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, **options):
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads, backward_requires_autograd, use_full_backward=use_full_backward, **options)
+
+
+class _ScheduleMultiDeferRecv(PipelineScheduleMulti):
+    """torch's signature of its interleaved, zero-bubble and V classes: Multi's without
+    use_full_backward, with defer_pp_recv last."""
+
+    @_zbpipe_options
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, **options):
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv, **options)
 
 
 # torch's private base-class name, which trainers import for type annotations (torchtitan).
@@ -458,22 +520,30 @@ class Schedule1F1B(PipelineScheduleSingle, schedule="1f1b"):
 
 
 class ScheduleLoopedBFS(PipelineScheduleMulti, schedule="looped_bfs"):
-    """Looped breadth-first, several stages per rank."""
+    """Looped breadth-first, several stages per rank (torch's signature: chunk specs keyword-only)."""
+
+    @_zbpipe_options
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
+                 output_merge_spec=None, scale_grads: bool = True, backward_requires_autograd: bool = True,
+                 defer_pp_recv: bool = False, **options):
+        super().__init__(stages, n_microbatches, loss_fn, output_merge_spec=output_merge_spec,
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv, **options)
 
 
-class ScheduleInterleaved1F1B(PipelineScheduleMulti, schedule="interleaved_1f1b"):
+class ScheduleInterleaved1F1B(_ScheduleMultiDeferRecv, schedule="interleaved_1f1b"):
     """Interleaved 1F1B (Megatron virtual stages; one stage per rank runs as torch's does)."""
 
 
-class ScheduleInterleavedZeroBubble(PipelineScheduleMulti, schedule="interleaved_zb"):
+class ScheduleInterleavedZeroBubble(_ScheduleMultiDeferRecv, schedule="interleaved_zb"):
     """Interleaved zero bubble (ZB1P; one stage per rank runs as torch's does)."""
 
 
-class ScheduleZBVZeroBubble(PipelineScheduleMulti, schedule="zbv"):
+class ScheduleZBVZeroBubble(_ScheduleMultiDeferRecv, schedule="zbv"):
     """Zero bubble V schedule (two stages per rank)."""
 
 
-class ScheduleDualPipeV(PipelineScheduleMulti, schedule="dualpipev"):
+class ScheduleDualPipeV(_ScheduleMultiDeferRecv, schedule="dualpipev"):
     """DualPipeV on a V: each OVERLAP_F_B pair's halves run at once (overlap_f_b=False: in turn)."""
 
 
@@ -489,11 +559,11 @@ class ScheduleZBAuto(PipelineScheduleSingle, schedule="zb_auto"):
     """Cost-driven zero bubble under an activation cap (compile_options: measured costs)."""
 
 
-class ScheduleVHalf(PipelineScheduleMulti, schedule="v_half"):
+class ScheduleVHalf(_ScheduleMultiDeferRecv, schedule="v_half"):
     """Controllable-memory V schedule, about 1/2 of 1F1B's activations."""
 
 
-class ScheduleVMin(PipelineScheduleMulti, schedule="v_min"):
+class ScheduleVMin(_ScheduleMultiDeferRecv, schedule="v_min"):
     """Controllable-memory V schedule, about 1/3 of 1F1B's activations."""
 
 

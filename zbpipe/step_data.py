@@ -41,15 +41,19 @@ class StepData:
     def build(cls, n: int, *, train: bool, has_first: bool, has_last: bool, loss_fn: Callable | None = None,
               args: tuple = (), kwargs: dict | None = None, target: Any = None, arg_mbs: list | None = None,
               kwarg_mbs: list | None = None, target_mbs: list | None = None, keep_outputs: bool = True,
-              loss_kwargs: dict | None = None) -> StepData:
+              loss_kwargs: dict | None = None, chunk_specs: microbatch.ChunkSpecs | None = None) -> StepData:
         """The step's StepData for a rank holding the first stage (has_first) and/or the last
         (has_last): positional arguments where the first stage lives, targets (and the loss)
         where the last does, keyword arguments everywhere; split here into n microbatches from
         whole batches (args, kwargs, target), or taken as the caller split them (arg_mbs,
-        kwarg_mbs, target_mbs: giving any, even an empty list, selects this form). Raises
-        ValueError for a batch that does not split, a missing target, or mixed forms; TypeError
-        or ValueError as microbatch.presplit for a pre-split list of the wrong type or count."""
+        kwarg_mbs, target_mbs: giving any, even an empty list, selects this form), whole
+        batches as chunk_specs says (torch's args_chunk_spec and kwargs_chunk_spec; targets
+        along dim 0, as torch's). Raises ValueError for a batch that does not split (no rows,
+        or not divisible), a spec that does not fit, a missing target, or mixed forms;
+        TypeError or ValueError as microbatch.presplit for a pre-split list of the wrong type
+        or count."""
         kwargs = kwargs or {}
+        specs = chunk_specs or microbatch.ChunkSpecs()
         step = cls(train=train, keep_outputs=keep_outputs, loss_kwargs=loss_kwargs or {})
         presplit = arg_mbs is not None or kwarg_mbs is not None or target_mbs is not None
         if presplit:
@@ -61,9 +65,9 @@ class StepData:
             targets = step._take_presplit(n, has_first, arg_mbs, kwarg_mbs, target_mbs)
         else:
             if has_first:
-                step.args = microbatch.split(tuple(args), n, "argument")
+                step.args = specs.split_args(tuple(args), n)
             if kwargs:
-                step.kwargs = microbatch.split(dict(kwargs), n, "keyword argument")
+                step.kwargs = specs.split_kwargs(dict(kwargs), n)
             targets = target  # the whole batch's; split below where the loss runs
         if has_last and loss_fn is not None and (targets is not None or train):
             if targets is None:
@@ -85,13 +89,23 @@ class StepData:
         return targets
 
 
-def input_signature(step: StepData) -> tuple[list, str]:
+def input_signature(step: StepData, device_type: str = "cpu") -> tuple[list, str]:
     """The first stage's input signature of a step, under which the pipeline's shapes are
     negotiated: every tensor in microbatch 0's positional and keyword arguments (all
-    microbatches split alike) and their layout."""
+    microbatches split alike), their layout, and the autocast state the step runs under on
+    the stages' device type (autocast changes the dtypes the stages produce: a step entering
+    or leaving it, or changing its dtype, negotiates anew, as a change of shape does)."""
     tensors: list[torch.Tensor] = []
     layout = tensor_layout((step.args[0], step.microbatch_kwargs(0)), tensors)
-    return _tree.specs_of(tensors), layout
+    return _tree.specs_of(tensors), layout + autocast_state(device_type)
+
+
+def autocast_state(device_type: str) -> str:
+    """The autocast state that tensors on `device_type` (and on the CPU, where a stage may
+    compute too) meet now: "" where autocast is off, else e.g. " autocast(cpu=bfloat16)"."""
+    on = [f"{t}={str(torch.get_autocast_dtype(t)).removeprefix('torch.')}"
+          for t in dict.fromkeys(("cpu", device_type)) if torch.is_autocast_enabled(t)]
+    return f" autocast({','.join(on)})" if on else ""
 
 
 def tensor_layout(obj, out: list) -> str:

@@ -362,6 +362,25 @@ void Executor::weight(const Entry& e) {
   else backward_weight(st.slot(e.mb).weight);
 }
 
+namespace {
+
+// "bfloat16 where the pipeline agreed on float32 (tensor 0 of 2), ..." where `outs` have the
+// agreed count and shapes and only dtypes differ; "" otherwise.
+std::string dtype_mismatch(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want) {
+  if (outs.size() != want.size()) return "";
+  std::string out;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (!outs[i].defined() || outs[i].sizes().vec() != want[i].shape) return "";
+    if (outs[i].scalar_type() == want[i].dtype) continue;
+    out += detail::str(out.empty() ? "" : ", ", c10::getDtypeNames(outs[i].scalar_type()).first,
+                       " where the pipeline agreed on ", c10::getDtypeNames(want[i].dtype).first, " (tensor ", i,
+                       " of ", outs.size(), ")");
+  }
+  return out;
+}
+
+}  // namespace
+
 void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want,
                              const char* what, int stage, int mb) const {
   bool ok = outs.size() == want.size();
@@ -369,11 +388,13 @@ void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vec
     ok = outs[i].defined() && outs[i].scalar_type() == want[i].dtype &&
          outs[i].sizes().vec() == want[i].shape;
   if (ok) {
-    // Sent, or handed to the next local stage, as they are: on the rank's device.
+    // Sent, or handed to the next local stage, as they are: on the rank's device, compared as
+    // torch places tensors (zbpipe/devices.py): CPU is one device, whatever index it was named
+    // with (a CPU tensor reports none), and a device named without an index takes any.
     const c10::Device& device = p2p_->device();
     for (size_t i = 0; i < outs.size(); ++i) {
       const c10::Device d = outs[i].device();
-      if (d.type() == device.type() && (!device.has_index() || d.index() == device.index())) continue;
+      if (d.type() == device.type() && (d.is_cpu() || !device.has_index() || d.index() == device.index())) continue;
       throw PipelineError(detail::str("stage ", stage, " microbatch ", mb, " produced ", what, " on device ",
                                       d.str(), " (tensor ", i, " of ", outs.size(), ") but the pipeline runs on ",
                                       device.str(), ": move them to the stage's device"));
@@ -383,6 +404,13 @@ void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vec
   std::vector<TensorSpec> got;
   for (const auto& t : outs)
     got.push_back(t.defined() ? TensorSpec{t.sizes().vec(), t.scalar_type()} : TensorSpec{});
+  if (const std::string dtypes = dtype_mismatch(outs, want); !dtypes.empty())
+    throw PipelineError(detail::str(
+        "stage ", stage, " microbatch ", mb, " produced ", what, " of dtype ", dtypes,
+        " (the shapes match: ", to_string(got), " against ", to_string(want),
+        "): a dtype that changes within a step, e.g. autocast entered, left or given another dtype "
+        "in a stage or between microbatches (the ranks agree on dtypes per step, under the autocast "
+        "state the step starts with)"));
   throw PipelineError(detail::str(
       "stage ", stage, " microbatch ", mb, " produced ", what, " ", to_string(got),
       " but the pipeline agreed on ", to_string(want),
