@@ -446,3 +446,22 @@ def test_cuda_device_forms_are_placed_as_torch_places_tensors():
     assert placement("cuda:0") == torch.device("cuda", 0)
     assert placement(torch.device("cuda", 0)) == torch.device("cuda", 0)
     assert torch.empty(1, device=placement("cuda")).device == current
+
+
+def test_one_stage_frozen_model_runs_and_a_detached_loss_fails():
+    """One stage on one in-process loopback rank: with no parameter requiring grad the loss has
+    no graph and the step runs (no gradient); with trained parameters a detached loss fails."""
+    from zbpipe import _C
+
+    x, y = _data()
+    world = _C._LoopbackWorld(1)
+    frozen = MLPStage().requires_grad_(False)
+    stage = zbpipe.PipelineStage(frozen, 0, 1, "cpu", group=world.group(0))
+    losses = []
+    zbpipe.Schedule1F1B(stage, M, loss_fn=F.mse_loss).step(x, target=y, losses=losses)
+    assert_close(losses, _one_process([frozen], x, y, train=False)[0])
+    assert all(p.grad is None for p in frozen.parameters())
+    stage = zbpipe.PipelineStage(MLPStage(), 0, 1, "cpu", group=world.group(0))
+    sched = zbpipe.Schedule1F1B(stage, M, loss_fn=lambda out, t: F.mse_loss(out.detach(), t))
+    with pytest.raises(zbpipe.PipelineError, match=r"the loss of microbatch 0 \(stage 0\) does not require grad"):
+        sched.step(x, target=y)
