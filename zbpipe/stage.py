@@ -30,7 +30,7 @@ from .step_data import StepData, input_signature, tensor_layout  # noqa: F401 - 
 # What a module raises where fake tensors cannot run it (no fake kernel, a data-dependent value,
 # a conversion that needs data): shape inference then runs it for real. Any other exception is
 # the user's and propagates from the fake run as it is.
-_META_UNSUPPORTED = (NotImplementedError, RuntimeError, TypeError)
+_FAKE_UNSUPPORTED = (NotImplementedError, RuntimeError, TypeError)
 
 
 class PipelineStage:
@@ -315,14 +315,14 @@ class PipelineStage:
         arguments). A DDP stage runs its inner module (no buffer broadcast); an FSDP stage its
         real, unsharded one (FSDP swaps parameters), so it runs for real; a stage with lazy
         parameters not yet materialized runs a copy for real. A module fake tensors cannot run
-        (_META_UNSUPPORTED) runs for real from then on; a user error raises once, from the run
+        (_FAKE_UNSUPPORTED) runs for real from then on; a user error raises once, from the run
         that met it."""
         module = self.submod if self._dp is None else self._dp.shape_module
         with torch.no_grad(), _forked_rng(self.device):
             if module is not None and self._fake_shapes and not _is_lazy(module):
                 try:
                     return self._fake_run(module, step, specs)
-                except _META_UNSUPPORTED:
+                except _FAKE_UNSUPPORTED:
                     self._fake_shapes = False
             module = module if module is not None else self.submod
             if _is_lazy(module):  # the real module materializes at its first real forward
