@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -126,7 +127,9 @@ def _nccl_step(rank, pp, name, stop_rank):
                 timeout=5.0 if stop_rank is not None else 120.0)
     t0 = time.monotonic()
     try:
-        sched.step(*((x.to(dev),) if 0 in mine else ()), target=y.to(dev) if ns - 1 in mine else None)
+        with warnings.catch_warnings():  # the world's group timeout (NCCL_PG_TIMEOUT_S) is above the schedule's
+            warnings.filterwarnings("error", message="zbpipe: timeout=")
+            sched.step(*((x.to(dev),) if 0 in mine else ()), target=y.to(dev) if ns - 1 in mine else None)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - reported
         return (type(e).__name__, str(e)[:3000], time.monotonic() - t0)
@@ -140,10 +143,13 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
                               reason="needs two GPUs for NCCL P2P (NCCL refuses two ranks on one GPU)")
 
 
+NCCL_PG_TIMEOUT_S = 300.0  # the group's own timeout: above every schedule timeout here
+
+
 @pytest.fixture(scope="module")
 def nccl_world():
     """Two ranks on two GPUs, NCCL for CUDA tensors (Gloo for CPU ones), shared by the module."""
-    with LocalWorld(2, device="cuda") as world:
+    with LocalWorld(2, device="cuda", pg_timeout_s=NCCL_PG_TIMEOUT_S) as world:
         yield world
 
 
