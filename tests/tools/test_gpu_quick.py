@@ -7,7 +7,6 @@ answers SKIP for CUDA without a GPU."""
 
 from __future__ import annotations
 
-import os
 import re
 import subprocess
 import sys
