@@ -130,9 +130,14 @@ def _lighter(color: str, amount: float = 0.45) -> tuple[float, float, float]:
 def draw(boxes: list[Box], arrows: list[Arrow], pp: int, path: str, *, size=(1600, 400),
          title: str = "", time_unit: str = "cost units") -> None:
     """Writes the picture to `path` (format from its extension) at exactly `size` pixels."""
+    figure(boxes, arrows, pp, size=size, title=title, time_unit=time_unit).savefig(path, dpi=100)
+
+
+def figure(boxes: list[Box], arrows: list[Arrow], pp: int, *, size=(1600, 400), title: str = "",
+           time_unit: str = "cost units"):
+    """The picture of draw() as a matplotlib Figure (100 dpi)."""
     from matplotlib.collections import LineCollection
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     dpi = 100
     fig = Figure(figsize=(size[0] / dpi, size[1] / dpi), dpi=dpi)
@@ -166,12 +171,23 @@ def draw(boxes: list[Box], arrows: list[Arrow], pp: int, path: str, *, size=(160
     ax.set_xlabel(f"time ({time_unit})")
     if title:
         ax.set_title(title, fontsize=10)
-    kinds = sorted({b.kind for b in boxes if b.kind != "COMM"}, key=list(COLORS).index)
-    handles = [Patch(color=COLORS[k], label=k) for k in kinds]
-    if any(b.chunk % 2 for b in boxes):
-        handles.append(Patch(color=_lighter("#777777"), label="second stage on the rank"))
-    if arrows or any(b.kind == "COMM" for b in boxes):
-        handles.append(Patch(color=COMM_COLOR, label="communication"))
+    handles = legend_handles(boxes, comm=bool(arrows) or any(b.kind == "COMM" for b in boxes))
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=len(handles),
                fontsize=8, frameon=False)
-    fig.savefig(path, dpi=dpi)
+    return fig
+
+
+def legend_handles(boxes: list[Box], comm: bool = False) -> list:
+    """Legend patches: one per compute kind drawn; where a rank holds two stages (V), the dark
+    and light shades of its first and second stage; communication where drawn."""
+    from matplotlib.patches import Patch
+
+    order = list(COLORS)
+    kinds = sorted({b.kind for b in boxes if b.kind != "COMM"}, key=lambda k: order.index(k) if k in order else 99)
+    handles = [Patch(color=COLORS.get(k, "#999999"), label=k) for k in kinds]
+    if any(b.chunk % 2 for b in boxes):
+        handles += [Patch(color="#777777", label="dark: the rank's first stage"),
+                    Patch(color=_lighter("#777777"), label="light: its second stage")]
+    if comm:
+        handles.append(Patch(color=COMM_COLOR, label="communication"))
+    return handles

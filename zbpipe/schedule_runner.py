@@ -17,6 +17,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from . import _C
+from .device_checks import check_stages
 from .group_timeout import warn_if_not_below
 from .memory_probe import MemoryProbe, chrome_memory_events
 from .step_data import StepData
@@ -146,6 +147,7 @@ class ExecutorRunner:
             program = program_for(train)
             syncs = self._bind_data_parallel()
             sync_groups = self._sync_groups(train)
+            check_stages(self._stages, self._group)
             warn_if_not_below(self._options["timeout_s"], [self._group, *_flat(sync_groups)],
                               self._stages[0].device)
             ex = _C.Executor(

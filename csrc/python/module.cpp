@@ -212,7 +212,8 @@ void register_runtime(py::module_& m) {
   py::class_<runtime::LoopbackWorld>(m, "_LoopbackWorld",
       "In-process process groups that record every post and wait (tests, the NCCL model; see "
       "csrc/runtime/loopback.h).")
-      .def(py::init<int, bool, bool>(), py::arg("size"), py::arg("stream_waits") = false, py::arg("store") = false)
+      .def(py::init<int, bool, bool, int>(), py::arg("size"), py::arg("stream_waits") = false,
+           py::arg("store") = false, py::arg("lagging_polls") = 0)
       .def_property_readonly("size", &runtime::LoopbackWorld::size)
       .def("group", &runtime::LoopbackWorld::group, py::arg("rank"))
       .def("clear_events", &runtime::LoopbackWorld::clear_events)
@@ -222,6 +223,8 @@ void register_runtime(py::module_& m) {
            "Times `rank`'s host blocked on a work (its 'sync' events) since clear_events.")
       .def("aborts", &runtime::LoopbackWorld::aborts, py::arg("rank"),
            "How often the group of `rank` was aborted (ProcessGroup::abort).")
+      .def("settles", &runtime::LoopbackWorld::settles, py::arg("rank"),
+           "Positions in events(rank) where P2P began to settle (a step's end), since clear_events.")
       .def("events", &loopback_events, py::arg("rank"),
            "Recorded calls of `rank`: (type, work, coalesced, ops) with type 'post', 'wait' or "
            "'sync' and ops [(\"send\"|\"recv\", peer, wire tag, bytes)] on posts.");

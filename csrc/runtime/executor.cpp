@@ -7,6 +7,7 @@
 #include <ATen/ops/zeros_like.h>
 
 #include "runtime/errors.h"
+#include "runtime/graph_outputs.h"
 #include "runtime/host_memory.h"
 #include "runtime/replica_barrier.h"
 #include "runtime/trace_scope.h"
@@ -299,6 +300,7 @@ void Executor::forward(const Entry& e, TraceRecord& rec) {
     std::vector<at::Tensor> detached;
     detached.reserve(outs.size());
     for (size_t i = 0; i < outs.size(); ++i) {
+      if (e.handoff < 0) refuse_cuda_graph_output(outs[i], e.stage, false, i);  // sent: see graph_outputs.h
       detached.push_back(outs[i].detach());  // the next stage starts its own graph
       if (st.trains && out_specs[i].differentiable()) sl.roots.push_back(std::move(outs[i]));
     }
@@ -350,6 +352,8 @@ void Executor::hand_on_input_grads(const Entry& e, const std::vector<at::Tensor>
     if (in_specs[i].differentiable())
       out.push_back(in_grads[i].defined() ? std::move(in_grads[i]) : at::zeros_like(inputs[i]));
   check_outputs(out, st.shapes.in_grad_specs, "input gradients", e.stage, e.mb);
+  if (e.handoff < 0)
+    for (size_t i = 0; i < out.size(); ++i) refuse_cuda_graph_output(out[i], e.stage, true, i);
   if (consumer)  // used (and freed) on the caller's stream after the join
     for (const auto& g : out) record_on_stream(g, *consumer);
   if (e.handoff >= 0) slot(e.handoff, e.mb).grad_in.tensors = std::move(out);

@@ -60,6 +60,9 @@ struct LoopbackWorld::State {
   struct Pending {  // a receive waiting for its message
     at::Tensor buffer;
     c10::intrusive_ptr<LoopbackWork> work;
+    // On a device: the receiver's stream when it posted, which the copy into `buffer` waits
+    // for (NCCL's recv runs on its stream after the poster's current stream: syncStream).
+    std::optional<c10::Event> posted;
   };
   using Key = std::tuple<int, int, int>;  // sender, receiver, tag
   std::mutex mu;
@@ -71,6 +74,8 @@ struct LoopbackWorld::State {
   std::vector<int> next_work;                      // per rank
   std::atomic<bool> no_work{false};                // return_no_work
   std::vector<int> aborts;                         // per rank: Backend::abort calls
+  std::vector<std::vector<size_t>> settles;        // per rank: log positions where P2P settled
+  int lagging_polls = 0;                           // see LoopbackWorld's constructor
 
   void log(int rank, LoopbackEvent e) {
     std::lock_guard<std::mutex> lock(mu);
@@ -84,7 +89,11 @@ namespace {
 class LoopbackWork : public c10d::Work {
  public:
   LoopbackWork(std::shared_ptr<LoopbackWorld::State> state, int rank, int id)
-      : c10d::Work(rank, c10d::OpType::UNKNOWN), state_(std::move(state)), rank_of_(rank), id_(id) {}
+      : c10d::Work(rank, c10d::OpType::UNKNOWN),
+        state_(std::move(state)),
+        rank_of_(rank),
+        id_(id),
+        lag_left_(state_->lagging_polls) {}
 
   void add_op() {
     std::lock_guard<std::mutex> lock(ops_mu_);
@@ -116,6 +125,10 @@ class LoopbackWork : public c10d::Work {
   bool isCompleted() override {
     if (!c10d::Work::isCompleted()) return false;
     std::lock_guard<std::mutex> lock(ops_mu_);
+    if (lag_left_ > 0) {  // a device behind the host (lagging_polls): not seen complete yet
+      --lag_left_;
+      return false;
+    }
     for (auto& e : events_)
       if (!e.query()) return false;
     return true;
@@ -139,6 +152,7 @@ class LoopbackWork : public c10d::Work {
   int open_ = 0;
   bool sealed_ = false;
   std::vector<c10::Event> events_;  // device copies into its receive buffers
+  int lag_left_ = 0;                 // isCompleted answers still to refuse (lagging_polls)
 };
 
 // Declares ModelsStreamWaits: P2P drives it as it drives NCCL, so the log is a GPU's.
@@ -158,6 +172,10 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
   void host_waits(const c10d::Work& work) override {
     const auto* w = dynamic_cast<const LoopbackWork*>(&work);
     state_->log(rank_, LoopbackEvent{LoopbackEvent::Type::Sync, w ? w->id() : -1, false, {}});
+  }
+  void settling() override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->settles[rank_].push_back(state_->logs[rank_].size());
   }
 
   void startCoalescing() override {
@@ -215,7 +233,15 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
         if (!waiting.empty()) {
           auto r = std::move(waiting.front());
           waiting.pop_front();
-          copied = deliver(r.buffer, t);  // on the sender's stream, after what made `t`
+          if (r.posted) {
+            // The copy runs on the sender's stream, after what made `t` and after the
+            // receiver's stream reached the post (until then its kernels may still read the
+            // memory the buffer reuses); the buffer is in use on this stream till it is done.
+            const c10::Stream here = current_stream(t.device());
+            r.posted->block(here);
+            record_on_stream(r.buffer, here);
+          }
+          copied = deliver(r.buffer, t);
           matched = std::move(r.work);
         } else {
           Message m;
@@ -242,7 +268,12 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
           copied = deliver(tensors[0], m.data);
           matched = work;
         } else {
-          state_->receives[{peer, rank_, tag}].push_back({tensors[0], work});
+          LoopbackWorld::State::Pending p{tensors[0], work, std::nullopt};
+          if (!tensors[0].is_cpu()) {
+            p.posted.emplace(tensors[0].device().type());
+            p.posted->record(current_stream(tensors[0].device()));
+          }
+          state_->receives[{peer, rank_, tag}].push_back(std::move(p));
         }
       }
     }
@@ -261,11 +292,15 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits {
 
 }  // namespace
 
-LoopbackWorld::LoopbackWorld(int size, bool stream_waits, bool store) : state_(std::make_shared<State>()) {
+LoopbackWorld::LoopbackWorld(int size, bool stream_waits, bool store, int lagging_polls)
+    : state_(std::make_shared<State>()) {
   ZB_CHECK(size >= 1, "a loopback world needs at least one rank, got ", size);
+  ZB_CHECK(lagging_polls >= 0, "lagging_polls must be >= 0, got ", lagging_polls);
   state_->size = size;
   state_->stream_waits = stream_waits;
+  state_->lagging_polls = lagging_polls;
   state_->logs.resize(size);
+  state_->settles.resize(size);
   state_->next_work.assign(size, 0);
   c10::intrusive_ptr<c10d::Store> shared;
   if (store) shared = c10::make_intrusive<c10d::HashStore>();
@@ -312,9 +347,16 @@ int LoopbackWorld::aborts(int rank) const {
   return state_->aborts[rank];
 }
 
+std::vector<size_t> LoopbackWorld::settles(int rank) const {
+  ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->settles[rank];
+}
+
 void LoopbackWorld::clear_events() {
   std::lock_guard<std::mutex> lock(state_->mu);
   for (auto& l : state_->logs) l.clear();
+  for (auto& s : state_->settles) s.clear();
 }
 
 }  // namespace zbpipe::runtime

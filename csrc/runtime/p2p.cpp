@@ -283,6 +283,7 @@ void P2P::progress() {
 }
 
 void P2P::settle(std::chrono::milliseconds timeout) {
+  if (model_) model_->settling();
   const auto now = std::chrono::steady_clock::now();
   for (auto& w : watched_)
     if (w.deadline == std::chrono::steady_clock::time_point::max()) {

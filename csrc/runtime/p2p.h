@@ -96,6 +96,8 @@ class ModelsStreamWaits {
   // P2P is about to block the host until `work` completes (a poll loop, invisible to an
   // accelerator backend): what the model counts as a host-blocking wait.
   virtual void host_waits(const c10d::Work& work) = 0;
+  // P2P::settle begins (the step's end): the host waits that follow are the end's.
+  virtual void settling() {}
 };
 
 // Not thread-safe, except abort_all and aborted (the failure watcher calls them).

@@ -411,7 +411,10 @@ def main(argv: list[str] | None = None) -> int:
         opts["stage_fqns"] = _planned_split(a, cfg, task, program)
     t0 = time.perf_counter()
     try:
-        results = run_local(_worker, a.pp * a.dp, (opts,), device=a.device, timeout_s=a.timeout)
+        # The group's own timeout is the run's limit, as under torchrun: above the schedule's
+        # (300 s), so NCCL's watchdog does not end a rank before zbpipe names the failure.
+        results = run_local(_worker, a.pp * a.dp, (opts,), device=a.device, timeout_s=a.timeout,
+                            pg_timeout_s=a.timeout)
     except KeyboardInterrupt:
         print("interrupted: all ranks stopped", file=sys.stderr)
         return 130
