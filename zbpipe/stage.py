@@ -12,6 +12,7 @@ autograd engine (csrc/runtime/stage_backward.h).
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Any, Callable
 
 import torch
@@ -101,6 +102,7 @@ class PipelineStage:
         self._input_args = input_args
         self._output_args = output_args
         self._linear = DeferredLinearHook(submodule) if deferred_linear else None
+        self._split_fallback: str | None = None  # why the split backward ran fused (once seen)
         self.dw_builder = dw_builder
         self.get_mesh = get_mesh
         self._dp = None
@@ -185,6 +187,18 @@ class PipelineStage:
         tensor_layout((step.args[mb] if self.is_first else None, step.microbatch_kwargs(mb),
                  step.targets[mb] if self.is_last and step.targets is not None else None), data)
         return step.memory_probe.recording(self.stage_index, mb, self.submod, data)
+
+    def _zb_split_fell_back(self, reason: str) -> None:
+        """The executor's split backward could not take this stage's graph (told once)."""
+        self._split_fallback = reason
+        warnings.warn(f"zbpipe: stage {self.stage_index} runs its whole backward in I, fused (W does "
+                      f"nothing for it; the gradients are exact): {reason}", RuntimeWarning)
+
+    @property
+    def split_fallback(self) -> str | None:
+        """Why this stage's backward ran fused under a split schedule (its I does the whole
+        backward, its W nothing), or None while it splits (or has not run a split step)."""
+        return self._split_fallback
 
     def _zb_backward_input_done(self, step: StepData, mb: int) -> None:
         """Right after microbatch mb's I, on a probing step: what waits for W is measured."""

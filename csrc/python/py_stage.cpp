@@ -108,6 +108,11 @@ void PyStage::use_inputs(const runtime::Signature& inputs) {
   guarded([&] { stage_.attr("_zb_use_inputs")(inputs.structure); });
 }
 
+void PyStage::split_fell_back(const std::string& reason) {
+  py::gil_scoped_acquire gil;
+  guarded([&] { stage_.attr("_zb_split_fell_back")(reason); });
+}
+
 runtime::Signature PyStage::infer_outputs(const runtime::StepData& step, const runtime::Signature& inputs) {
   py::gil_scoped_acquire gil;
   return guarded([&] { return signature_from_py(infer_(step_object(step), specs_to_py(inputs.specs), inputs.structure)); });

@@ -83,6 +83,7 @@ class PyStage final : public runtime::StageHandle {
   void end_gradient_sync() override;
   void use_inputs(const runtime::Signature& inputs) override;
   runtime::Signature infer_outputs(const runtime::StepData& step, const runtime::Signature& inputs) override;
+  void split_fell_back(const std::string& reason) override;
 
  private:
   py::object stage_, forward_, weight_work_, weight_queued_, infer_;

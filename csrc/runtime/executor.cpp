@@ -243,6 +243,11 @@ void Executor::end_step() {
   check_comms(kStepEnd, true);
   clear_slots();  // every batch completed: drop the step's tensors
   timer_->collect(trace_);
+  for (auto& st : stages_) {
+    if (st.fused.empty() || st.fused_told) continue;
+    st.fused_told = true;
+    or_fail_step(kStepEnd, [&] { st.handle->split_fell_back(st.fused); });
+  }
 }
 
 // ---- the verbs ----------------------------------------------------------------------------
@@ -331,6 +336,16 @@ void Executor::backward(const Entry& e, const c10::Stream* consumer) {
     if (e.kind == Kind::B && st.queues_weight) st.handle->run_weight_work(*step_.data, e.mb);
   } else {
     in_grads = backward_input(roots, root_grads, inputs, sl.weight, &st.split_plans);
+    if (!sl.weight.fused.empty()) {
+      // A data-parallel stage reduces its gradients during its last backward action, a W here,
+      // which a fused stage leaves empty: DDP's reducer would wait for hooks that never fire.
+      if (st.syncs_grads)
+        throw PipelineError(detail::str(
+            "stage ", e.stage, " is data-parallel (DDP/FSDP) and its backward cannot be split under this "
+            "schedule, so it would run fused with an empty W, where its gradients are reduced: ",
+            sl.weight.fused, "; or use a schedule without I/W (gpipe, 1f1b, interleaved_1f1b)"));
+      if (st.fused.empty()) st.fused = sl.weight.fused;
+    }
   }
   roots.clear();  // frees the input closure of the graph now, not at the end of the step
   if (e.handoff >= 0 || e.to_send) hand_on_input_grads(e, inputs, in_grads, consumer);

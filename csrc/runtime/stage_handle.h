@@ -90,6 +90,10 @@ class StageHandle {
   // Called right after microbatch `mb`'s backward (B or I) on a stage that queues weight work,
   // before its run_weight_work: the moment torch's dw_builder builds the runner W will call.
   virtual void weight_work_queued(const StepData& /*step*/, int /*mb*/) {}
+  // Once per stage, on the executor's thread at the end of the step where it happened: the
+  // split backward could not take the stage's graph and ran it fused (I did B's work, W
+  // nothing); `reason` says why (WeightWork::fused).
+  virtual void split_fell_back(const std::string& /*reason*/) {}
   // Called right after microbatch `mb`'s I, only while the executor probes memory
   // (Executor::set_memory_probe): the moment what waits for W is all the graph still holds.
   virtual void backward_input_done(const StepData& /*step*/, int /*mb*/) {}
