@@ -331,11 +331,11 @@ void Executor::backward(const Entry& e, const c10::Stream* consumer) {
   }
   std::vector<at::Tensor> in_grads;
   if (e.kind == Kind::B || st.queues_weight) {
-    in_grads = backward_full(roots, root_grads, inputs);
+    in_grads = described(st, [&] { return backward_full(roots, root_grads, inputs); });
     if (st.queues_weight) st.handle->weight_work_queued(*step_.data, e.mb);
     if (e.kind == Kind::B && st.queues_weight) st.handle->run_weight_work(*step_.data, e.mb);
   } else {
-    in_grads = backward_input(roots, root_grads, inputs, sl.weight, &st.split_plans);
+    in_grads = described(st, [&] { return backward_input(roots, root_grads, inputs, sl.weight, &st.split_plans); });
     if (!sl.weight.fused.empty()) {
       // A data-parallel stage reduces its gradients during its last backward action, a W here,
       // which a fused stage leaves empty: DDP's reducer would wait for hooks that never fire.
@@ -374,7 +374,7 @@ void Executor::hand_on_input_grads(const Entry& e, const std::vector<at::Tensor>
 void Executor::weight(const Entry& e) {
   LocalStage& st = stages_[e.local];
   if (st.queues_weight) st.handle->run_weight_work(*step_.data, e.mb);
-  else backward_weight(st.slot(e.mb).weight);
+  else described(st, [&] { backward_weight(st.slot(e.mb).weight); });
 }
 
 void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want,

@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -94,6 +95,11 @@ class StageHandle {
   // split backward could not take the stage's graph and ran it fused (I did B's work, W
   // nothing); `reason` says why (WeightWork::fused).
   virtual void split_fell_back(const std::string& /*reason*/) {}
+  // An exception the autograd engine threw out of this stage's backward (B, I or W), as the
+  // step's failure should name it: the Python stage turns a Python exception into a
+  // StageError ("ValueError: ..." with its traceback). Returns `error` when it has nothing
+  // better. Called without the GIL, on whichever thread ran the backward.
+  virtual std::exception_ptr describe_backward_error(std::exception_ptr error) { return error; }
   // Called right after microbatch `mb`'s I, only while the executor probes memory
   // (Executor::set_memory_probe): the moment what waits for W is all the graph still holds.
   virtual void backward_input_done(const StepData& /*step*/, int /*mb*/) {}
