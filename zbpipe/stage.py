@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import _tree
-from .checkpointing import recompute_once
+from .checkpointing import recompute_ahead, recompute_once
 from .data_parallel import adapter_for
 from .deferred_linear import DeferredLinearHook
 from .step_data import StepData, input_signature, tensor_layout  # noqa: F401 - input_signature: also imported from here
@@ -175,7 +175,8 @@ class PipelineStage:
         None on every stage but the last; there [loss] when the step trains (else []), the
         detached loss (None without a loss_fn) and the detached output when kept (else None)."""
         if step.train:  # checkpointed regions made here recompute once (issue #21)
-            with recompute_once(), self._probing(step, mb):
+            regions = step.regions.setdefault((self.stage_index, mb), [])
+            with recompute_once(regions), self._probing(step, mb):
                 return self._zb_forward_inner(step, mb, inputs)
         return self._zb_forward_inner(step, mb, inputs)
 
@@ -187,6 +188,12 @@ class PipelineStage:
         tensor_layout((step.args[mb] if self.is_first else None, step.microbatch_kwargs(mb),
                  step.targets[mb] if self.is_last and step.targets is not None else None), data)
         return step.memory_probe.recording(self.stage_index, mb, self.submod, data)
+
+    def _zb_before_backward_on_worker(self, step: StepData, mb: int) -> None:
+        """Right before microbatch mb's backward starts on the overlap worker (which runs it
+        while this thread runs a forward): its checkpointed regions recompute here, so the
+        worker draws nothing from the RNG this thread's forward draws from."""
+        recompute_ahead(step.regions.pop((self.stage_index, mb), ()))
 
     def _zb_split_fell_back(self, reason: str) -> None:
         """The executor's split backward could not take this stage's graph (told once)."""

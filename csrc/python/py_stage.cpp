@@ -117,6 +117,11 @@ void PyStage::use_inputs(const runtime::Signature& inputs) {
   guarded([&] { stage_.attr("_zb_use_inputs")(inputs.structure); });
 }
 
+void PyStage::before_backward_on_worker(const runtime::StepData& step, int mb) {
+  py::gil_scoped_acquire gil;
+  guarded([&] { stage_.attr("_zb_before_backward_on_worker")(step_object(step), mb); });
+}
+
 void PyStage::split_fell_back(const std::string& reason) {
   py::gil_scoped_acquire gil;
   guarded([&] { stage_.attr("_zb_split_fell_back")(reason); });

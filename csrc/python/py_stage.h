@@ -85,6 +85,7 @@ class PyStage final : public runtime::StageHandle {
   void end_gradient_sync() override;
   void use_inputs(const runtime::Signature& inputs) override;
   runtime::Signature infer_outputs(const runtime::StepData& step, const runtime::Signature& inputs) override;
+  void before_backward_on_worker(const runtime::StepData& step, int mb) override;
   void split_fell_back(const std::string& reason) override;
   // A Python exception raised inside the engine (torch's python_error: a custom Function's
   // backward, a hook) as a StageError, KeyboardInterrupt as Cancelled; anything else as it is.

@@ -138,7 +138,7 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
     trace_[i].wait_ns = 0;
     if (failures_.interrupted()) fail_step(e.index, Cancelled());
     if (!e.concurrent) join_worker();  // an overlapped unit ends before what follows it
-    if (e.on_worker) start_on_worker(i);
+    if (e.on_worker && may_overlap(e)) start_on_worker(i);
     else run_here(i);
     check_comms(e.index, false);
   }
@@ -202,9 +202,19 @@ void Executor::run_synced(const Entry& e, TraceRecord& rec) {
   }
 }
 
+bool Executor::may_overlap(const Entry& e) {
+  // A reentrant checkpoint recomputes inside its backward, under torch's fork of the global
+  // RNG: on the worker, concurrently with this thread's forward, the two would draw from one
+  // generator. Such a unit runs its halves in sequence.
+  return !runs_own_backward(slot(e.local, e.mb).roots, slot(e.local, e.mb).saved_in);
+}
+
 void Executor::start_on_worker(size_t i) {
   const Entry& e = table_.entries[i];
   or_fail_step(e.index, [&] {
+    // What must not run concurrently with the forward half runs here first (the stage's
+    // checkpoint recomputations: StageHandle::before_backward_on_worker).
+    stages_[e.local].handle->before_backward_on_worker(*step_.data, e.mb);
     // The receive is waited here: P2P is not thread-safe.
     if (e.needs_recv) comms_->wait(slot(e.local, e.mb).grad_in, trace_[i].wait_ns);
     if (!overlap_.worker) overlap_.worker = std::make_unique<OverlapWorker>(p2p_->device());

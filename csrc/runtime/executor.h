@@ -163,6 +163,9 @@ class Executor {
   size_t run_custom(size_t first);
   void run_here(size_t i);             // entry i on this thread, timed; fails the step
   void start_on_worker(size_t i);      // waits entry i's receive here, runs it on the worker
+  // Whether the worker may run entry `e` (a backward half) while this thread runs the unit's
+  // forward half: not where its backward draws from the RNG on its own (a reentrant checkpoint).
+  bool may_overlap(const Entry& e);
   void join_worker();                  // a failure of the worker's entry fails the step
   void end_step();                     // waits the sends, drops the step's tensors
   // Between entries (never blocks) or at the step's end (finish): the step's messages seen

@@ -91,6 +91,11 @@ class StageHandle {
   // Called right after microbatch `mb`'s backward (B or I) on a stage that queues weight work,
   // before its run_weight_work: the moment torch's dw_builder builds the runner W will call.
   virtual void weight_work_queued(const StepData& /*step*/, int /*mb*/) {}
+  // Called on the executor's thread right before microbatch `mb`'s backward (B or I) starts
+  // on the OVERLAP_F_B worker, which then runs it while this thread runs a forward: the stage
+  // does here what must not run concurrently with a forward (the Python stage recomputes the
+  // microbatch's checkpointed regions, whose recomputation sets and restores the global RNG).
+  virtual void before_backward_on_worker(const StepData& /*step*/, int /*mb*/) {}
   // Once per stage, on the executor's thread at the end of the step where it happened: the
   // split backward could not take the stage's graph and ran it fused (I did B's work, W
   // nothing); `reason` says why (WeightWork::fused).
