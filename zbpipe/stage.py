@@ -102,6 +102,10 @@ class PipelineStage:
         self._input_args = input_args
         self._output_args = output_args
         self._linear = DeferredLinearHook(submodule) if deferred_linear else None
+        if self._linear is not None and self._linear.not_deferred:
+            warnings.warn(f"zbpipe: stage {stage_index}: deferred_linear keeps the forward of "
+                          f"{self._linear.describe_not_deferred()}; their weight gradients are "
+                          "computed in I with the rest of the stage's backward", RuntimeWarning, stacklevel=2)
         self._split_fallback: str | None = None  # why the split backward ran fused (once seen)
         self.dw_builder = dw_builder
         self.get_mesh = get_mesh
@@ -206,6 +210,14 @@ class PipelineStage:
         """Why this stage's backward ran fused under a split schedule (its I does the whole
         backward, its W nothing), or None while it splits (or has not run a split step)."""
         return self._split_fallback
+
+    @property
+    def deferred_linear_report(self) -> dict | None:
+        """With deferred_linear=True: {"deferred": [qualified names of the nn.Linear modules
+        whose weight gradients W computes], "not_deferred": {name: why it keeps its own forward
+        (its weight gradients are then computed in I, with the rest of the stage's backward)}};
+        None without deferred_linear."""
+        return None if self._linear is None else self._linear.report()
 
     def _zb_backward_input_done(self, step: StepData, mb: int) -> None:
         """Right after microbatch mb's I, on a probing step: what waits for W is measured."""
