@@ -6,9 +6,8 @@ LinearFunc, which adds to weight.grad inside its backward), tensor/node hooks (e
 non-reentrant checkpoint (reentrant runs fused, the fix named), a torch.compile'd stage,
 the per-shape analysis cache, the release of I's part of the graph, and the deferred-Linear
 queue (also under checkpoint). Boundary nodes some of whose inputs get no gradient (GroupNorm's
-mean and rstd, an LSTM's last states: they aborted the process), nodes whose weight side needs
-their input side (run once, in I; the list checked against torch's derivatives.yaml), and the
-errors that leave the engine (a torch error or a Python one, not std::terminate)."""
+mean and rstd, an LSTM's last states: they aborted the process), and nodes whose weight side
+needs their input side (run once, in I; the list checked against torch's derivatives.yaml)."""
 
 from __future__ import annotations
 
