@@ -86,7 +86,7 @@ def _compiled(rank, size, names):
 
 
 def test_inductor_under_split_schedules_equals_one_process(spawn_world):
-    for rank, (by_name, donates) in enumerate(spawn_world(2).run(_compiled, ["zbv"], timeout_s=540)):
+    for rank, (by_name, donates) in enumerate(spawn_world(2).run(_compiled, ["zbv", "dualpipev"], timeout_s=540)):
         assert donates, "the compiled regions donate no buffer here: this test would not exercise the case"
         for name, bad in by_name.items():
             assert not bad, f"rank {rank} {name}: gradients differ: {bad}"
