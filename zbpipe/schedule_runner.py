@@ -10,6 +10,7 @@ keeps the torch API and the program and builds each step's StepData (step_data.p
 
 from __future__ import annotations
 
+import contextlib
 import json
 import weakref
 from typing import Callable
@@ -207,7 +208,8 @@ class ExecutorRunner:
             step.memory_probe = MemoryProbe()
         executor.set_memory_probe(probing)
         try:
-            outputs, mb_losses = executor.run(step, first_inputs, loss_scale)
+            with _compiled_backward_once() if step.train and any(self._split.values()) else contextlib.nullcontext():
+                outputs, mb_losses = executor.run(step, first_inputs, loss_scale)
         finally:
             self._ctx = None
         if probing:
@@ -228,6 +230,26 @@ class ExecutorRunner:
             doc["traceEvents"].extend(chrome_memory_events(self.memory_profile, self._group.rank()))
             with open(path, "w") as f:
                 json.dump(doc, f)
+
+
+def _compiled_backward_once():
+    """The step of a split schedule: torch.compile'd regions may donate their saved buffers.
+
+    A compiled region's backward (AOTAutograd's CompiledFunction) refuses to run under
+    retain_graph=True once it was compiled to donate buffers -- compiled lazily at its first
+    backward, which donates where that backward kept no graph: a B, a W, the user's own
+    loss.backward(). The split's I runs with the graph kept (W re-runs nodes of it), but a
+    compiled region is never re-run: it runs whole, once, in I (csrc/runtime/stage_backward.h),
+    so its donated buffers are read by no one after it. torch reads the refusal's switch,
+    torch._functorch.config.donated_buffer, when the backward runs: it is off for the step's
+    length (it also keeps a region compiled during the step from donating)."""
+    try:
+        import torch._functorch.config as config
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(config, "donated_buffer"):
+        return contextlib.nullcontext()
+    return config.patch(donated_buffer=False)
 
 
 def _flat(groups_by_stage: dict) -> list:

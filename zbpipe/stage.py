@@ -15,13 +15,14 @@ import contextlib
 import copy
 import functools
 import itertools
+import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from . import _tree
-from .checkpointing import recompute_once
+from .checkpointing import recompute_ahead, recompute_once
 from .data_parallel import adapter_for
 from .deferred_linear import DeferredLinearHook
 from .devices import placement
@@ -118,6 +119,11 @@ class PipelineStage:
         # zbpipe derives gradient shapes from the agreed activations and keeps these unused.
         self.output_grads, self.input_grads = output_grads, input_grads
         self._linear = DeferredLinearHook(submodule) if deferred_linear else None
+        if self._linear is not None and self._linear.not_deferred:
+            warnings.warn(f"zbpipe: stage {stage_index}: deferred_linear keeps the forward of "
+                          f"{self._linear.describe_not_deferred()}; their weight gradients are "
+                          "computed in I with the rest of the stage's backward", RuntimeWarning, stacklevel=2)
+        self._split_fallback: str | None = None  # why the split backward ran fused (once seen)
         self.dw_builder = dw_builder
         self.get_mesh = get_mesh
         self._dp = None
@@ -190,7 +196,8 @@ class PipelineStage:
         None on every stage but the last; there [loss] when the step trains (else []), the
         detached loss (None without a loss_fn) and the detached output when kept (else None)."""
         if step.train:  # checkpointed regions made here recompute once (issue #21)
-            with recompute_once(), self._probing(step, mb):
+            regions = step.regions.setdefault((self.stage_index, mb), [])
+            with recompute_once(regions), self._probing(step, mb):
                 return self._zb_forward_inner(step, mb, inputs)
         return self._zb_forward_inner(step, mb, inputs)
 
@@ -202,6 +209,32 @@ class PipelineStage:
         tensor_layout((step.args[mb] if self.is_first else None, step.microbatch_kwargs(mb),
                  step.targets[mb] if self.is_last and step.targets is not None else None), data)
         return step.memory_probe.recording(self.stage_index, mb, self.submod, data)
+
+    def _zb_before_backward_on_worker(self, step: StepData, mb: int) -> None:
+        """Right before microbatch mb's backward starts on the overlap worker (which runs it
+        while this thread runs a forward): its checkpointed regions recompute here, so the
+        worker draws nothing from the RNG this thread's forward draws from."""
+        recompute_ahead(step.regions.pop((self.stage_index, mb), ()))
+
+    def _zb_split_fell_back(self, reason: str) -> None:
+        """The executor's split backward could not take this stage's graph (told once)."""
+        self._split_fallback = reason
+        warnings.warn(f"zbpipe: stage {self.stage_index} runs its whole backward in I, fused (W does "
+                      f"nothing for it; the gradients are exact): {reason}", RuntimeWarning)
+
+    @property
+    def split_fallback(self) -> str | None:
+        """Why this stage's backward ran fused under a split schedule (its I does the whole
+        backward, its W nothing), or None while it splits (or has not run a split step)."""
+        return self._split_fallback
+
+    @property
+    def deferred_linear_report(self) -> dict | None:
+        """With deferred_linear=True: {"deferred": [qualified names of the nn.Linear modules
+        whose weight gradients W computes], "not_deferred": {name: why it keeps its own forward
+        (its weight gradients are then computed in I, with the rest of the stage's backward)}};
+        None without deferred_linear."""
+        return None if self._linear is None else self._linear.report()
 
     def _zb_backward_input_done(self, step: StepData, mb: int) -> None:
         """Right after microbatch mb's I, on a probing step: what waits for W is measured."""

@@ -33,6 +33,9 @@ class StepData:
     weight_work: dict = dataclasses.field(default_factory=dict)
     # A probing step's zbpipe.memory_probe.MemoryProbe (None: no measurement, no hook).
     memory_probe: Any = None
+    # (stage, microbatch) -> weak references to the checkpointed regions its training forward
+    # created, recomputed on the executor's thread before a backward on the overlap worker.
+    regions: dict = dataclasses.field(default_factory=dict)
 
     def microbatch_kwargs(self, mb: int) -> dict:
         return self.kwargs[mb] if self.kwargs else {}

@@ -236,7 +236,9 @@ void register_backward(py::module_& m) {
            "Number of W's roots (boundary node inputs and values sent into the weight region).")
       .def_property_readonly("captured_bytes", &runtime::WeightWork::captured_bytes,
                              "Bytes of the captured gradients W holds (beyond the graph's saved tensors).")
-      .def_property_readonly("rerun", &weight_work_rerun, "Names of the boundary nodes W runs again for their weight side.");
+      .def_property_readonly("rerun", &weight_work_rerun, "Names of the boundary nodes W runs again for their weight side.")
+      .def_property_readonly("fused", &weight_work_fused,
+                             "Why I ran the whole backward (the split could not take the graph), or None.");
   py::class_<runtime::SplitPlanCache>(m, "SplitPlanCache",
       "The I/W split's graph analysis, kept per graph shape (one per stage; the executor keeps its own).")
       .def(py::init<>())
@@ -251,6 +253,8 @@ void register_backward(py::module_& m) {
         "SplitPlanCache reused across microbatches of one stage (None analyses every call).");
   m.def("backward_weight", &runtime::backward_weight, py::arg("work"), py::call_guard<py::gil_scoped_release>(),
         "W: accumulates the parameter gradients captured by backward_input.");
+  m.def("_joint_backward_nodes", &joint_backward_nodes,
+        "torch's generated nodes the split runs whole in I: their weight side needs their input side.");
   m.def("_checkpoint_keeps_unpacked", &runtime::checkpoint_once::keeps_unpacked,
         "True while a boundary node runs its input side in I on this thread: a checkpoint "
         "unpack keeps the recomputed tensor for the node's re-run in W (zbpipe/checkpointing.py).");

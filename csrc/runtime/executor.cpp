@@ -139,7 +139,7 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
     trace_[i].wait_ns = 0;
     if (failures_.interrupted()) fail_step(e.index, Cancelled());
     if (!e.concurrent) join_worker();  // an overlapped unit ends before what follows it
-    if (e.on_worker) start_on_worker(i);
+    if (e.on_worker && may_overlap(e)) start_on_worker(i);
     else run_here(i);
     check_comms(e.index, false);
   }
@@ -203,9 +203,19 @@ void Executor::run_synced(const Entry& e, TraceRecord& rec) {
   }
 }
 
+bool Executor::may_overlap(const Entry& e) {
+  // A reentrant checkpoint recomputes inside its backward, under torch's fork of the global
+  // RNG: on the worker, concurrently with this thread's forward, the two would draw from one
+  // generator. Such a unit runs its halves in sequence.
+  return !runs_own_backward(slot(e.local, e.mb).roots, slot(e.local, e.mb).saved_in);
+}
+
 void Executor::start_on_worker(size_t i) {
   const Entry& e = table_.entries[i];
   or_fail_step(e.index, [&] {
+    // What must not run concurrently with the forward half runs here first (the stage's
+    // checkpoint recomputations: StageHandle::before_backward_on_worker).
+    stages_[e.local].handle->before_backward_on_worker(*step_.data, e.mb);
     // The receive is waited here: P2P is not thread-safe.
     if (e.needs_recv) comms_->wait(slot(e.local, e.mb).grad_in, trace_[i].wait_ns);
     if (!overlap_.worker) overlap_.worker = std::make_unique<OverlapWorker>(p2p_->device());
@@ -244,6 +254,11 @@ void Executor::end_step() {
   check_comms(kStepEnd, true);
   clear_slots();  // every batch completed: drop the step's tensors
   timer_->collect(trace_);
+  for (auto& st : stages_) {
+    if (st.fused.empty() || st.fused_told) continue;
+    st.fused_told = true;
+    or_fail_step(kStepEnd, [&] { st.handle->split_fell_back(st.fused); });
+  }
 }
 
 // ---- the verbs ----------------------------------------------------------------------------
@@ -328,11 +343,21 @@ void Executor::backward(const Entry& e, const c10::Stream* consumer) {
   }
   std::vector<at::Tensor> in_grads;
   if (e.kind == Kind::B || st.queues_weight) {
-    in_grads = backward_full(roots, root_grads, inputs);
+    in_grads = described(st, [&] { return backward_full(roots, root_grads, inputs); });
     if (st.queues_weight) st.handle->weight_work_queued(*step_.data, e.mb);
     if (e.kind == Kind::B && st.queues_weight) st.handle->run_weight_work(*step_.data, e.mb);
   } else {
-    in_grads = backward_input(roots, root_grads, inputs, sl.weight, &st.split_plans);
+    in_grads = described(st, [&] { return backward_input(roots, root_grads, inputs, sl.weight, &st.split_plans); });
+    if (!sl.weight.fused.empty()) {
+      // A data-parallel stage reduces its gradients during its last backward action, a W here,
+      // which a fused stage leaves empty: DDP's reducer would wait for hooks that never fire.
+      if (st.syncs_grads)
+        throw PipelineError(detail::str(
+            "stage ", e.stage, " is data-parallel (DDP/FSDP) and its backward cannot be split under this "
+            "schedule, so it would run fused with an empty W, where its gradients are reduced: ",
+            sl.weight.fused, "; or use a schedule without I/W (gpipe, 1f1b, interleaved_1f1b)"));
+      if (st.fused.empty()) st.fused = sl.weight.fused;
+    }
   }
   roots.clear();  // frees the input closure of the graph now, not at the end of the step
   if (e.handoff >= 0 || e.to_send) hand_on_input_grads(e, inputs, in_grads, consumer);
@@ -363,7 +388,7 @@ void Executor::hand_on_input_grads(const Entry& e, const std::vector<at::Tensor>
 void Executor::weight(const Entry& e) {
   LocalStage& st = stages_[e.local];
   if (st.queues_weight) st.handle->run_weight_work(*step_.data, e.mb);
-  else backward_weight(st.slot(e.mb).weight);
+  else described(st, [&] { backward_weight(st.slot(e.mb).weight); });
 }
 
 namespace {
