@@ -93,6 +93,12 @@ void register_program(py::module_& m) {
                   "Builds a program from per-rank action strings (lowered if compute-only), "
                   "validated; rendezvous=True also with NCCL's rendezvous sends.")
       .def("compute_only", &strip_comms, "The program without its SEND/RECV actions.")
+      .def_property_readonly("fingerprint", &fingerprint,
+                             "What the program does, as text: topology, microbatches and a hash of the action lists "
+                             "(the name aside); the runtime's program agreement compares it with the name added.")
+      .def("__eq__", &same_program, py::is_operator(),
+           "Equal topology, microbatches and action lists (the name aside: zb_auto may build zb_h1's program).")
+      .def("__hash__", &program_hash)
       .def("__repr__", &program_repr);
 }
 
