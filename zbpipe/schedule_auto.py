@@ -27,7 +27,7 @@ from . import _C
 from .auto_plan import COST_DRIVEN, Candidate, Tuning, plan  # noqa: F401  (Candidate, Tuning: importable here)
 from .measurements import RankMeasurements, boundary_bytes, gather, merge, ring_hop_s
 from .programs import compile as _compile
-from .schedules import PipelineSchedule, _OneRunning, _rank_stages
+from .schedules import PipelineSchedule, OneRunning, rank_stages
 from .stage_costs import profile_from_trace
 
 # placement -> (safe default, candidates). Cost-driven candidates plan with the measurements.
@@ -166,7 +166,7 @@ class ScheduleAuto:
         if trial_steps < 0 or trial_margin < 0:
             raise ValueError(f"trial_steps and trial_margin must be >= 0, got {trial_steps}, {trial_margin}")
         self._timing_steps, self._trial_steps, self._trial_margin = timing_steps, trial_steps, trial_margin
-        self._stages = _rank_stages(stages)
+        self._stages = rank_stages(stages)
         first = self._stages[0]
         self._group, self._pp, self._rank = first.group, first.group_size, first.group_rank
         self._num_stages = first.num_stages
@@ -184,7 +184,7 @@ class ScheduleAuto:
         self._ran = self._current  # the schedule that ran the last step (trace())
         self._steps = 0
         self._evals = 0  # eval() calls: the inner schedules' failure messages number them
-        self._one_running = _OneRunning("ScheduleAuto")
+        self._one_running = OneRunning("ScheduleAuto")
         self._phase: _Settled | _Refused | _Timing | _Trial = _Settled()
         self._after: list[float] = []      # step times after the last switch (measured_step_s)
         self.tuning: Tuning | None = None
