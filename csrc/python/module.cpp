@@ -170,11 +170,9 @@ void register_simulator(py::module_& m) {
         "Runs the program under per-stage costs (zbpipe.simulate takes scalars too).");
 }
 
-void register_runtime(py::module_& m) {
-  py::register_exception<runtime::PipelineError>(m, "PipelineError", PyExc_RuntimeError);
-
-  // The executor's options, one line each: a schedule's keyword parameters and their docs come
-  // from here (zbpipe/executor_options.py), the defaults from the C++ structs.
+void register_executor_options(py::module_& m) {
+  // One line each: a schedule's keyword parameters and their docs come from here
+  // (zbpipe/executor_options.py), the defaults from the C++ structs.
   using runtime::ExecutorOptions;
   ExecutorOptionsClass(m, "The options a schedule passes whole to every executor it builds; "
                           "ExecutorOptions(**fields) sets any of them by name.")
@@ -204,6 +202,10 @@ void register_runtime(py::module_& m) {
              "the executor's own halves overlap: a function registered for OVERLAP_F_B "
              "(register_custom_function) runs the halves itself through ctx.run, one after the other, with "
              "its own work between.");
+}
+
+void register_runtime(py::module_& m) {
+  py::register_exception<runtime::PipelineError>(m, "PipelineError", PyExc_RuntimeError);
 
   py::class_<runtime::Executor>(m, "Executor",
       "Runs one rank's lowered program over a c10d process group (see csrc/runtime/executor.h).")
@@ -299,6 +301,7 @@ PYBIND11_MODULE(_C, m) {
   register_program(m);
   register_compile(m);
   register_simulator(m);
+  register_executor_options(m);
   register_runtime(m);
   register_backward(m);
   register_partition(m);
