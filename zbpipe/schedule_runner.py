@@ -111,7 +111,7 @@ class ExecutorRunner:
             self._eval_program = _C.lower(_C.strip_backward(self._program.compute_only()))
         return self._eval_program
 
-    def _bind_data_parallel(self) -> list[bool]:
+    def _syncs_now(self) -> list[bool]:
         """Every stage's data parallelism as its module is now (torchtitan applies fully_shard
         and assigns stage.submod after building the stages): whether each syncs gradients."""
         return [s.bind_data_parallel(self._split[s.stage_index]) for s in self._stages]
@@ -119,7 +119,7 @@ class ExecutorRunner:
     def check_data_parallel(self, train: bool) -> None:
         """ValueError where a stage's module gained or lost data parallelism (fully_shard in
         place, a new stage.submod) after the executor that runs it read it at its first step."""
-        for s, was, now in zip(self._stages, self._syncs[train], self._bind_data_parallel()):
+        for s, was, now in zip(self._stages, self._syncs[train], self._syncs_now()):
             if was != now:
                 raise ValueError(
                     f"stage {s.stage_index}: its module {'became' if now else 'is no longer'} "
@@ -160,7 +160,7 @@ class ExecutorRunner:
             return ex
         try:
             program = self._program_for(train)
-            syncs = self._bind_data_parallel()
+            syncs = self._syncs_now()
             sync_groups = self._sync_groups(train)
             warn_if_not_below(self.options.timeout_s, [self._group, *_flat(sync_groups)], self._stages[0].device)
             ex = _C.Executor(
