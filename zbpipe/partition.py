@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C
-from .module_split import _prune
+from .module_split import prune
 from .programs import compile as _compile
 from .schedules import PipelineSchedule
 from .stage import PipelineStage
@@ -238,7 +238,7 @@ def _unit_module(model: nn.Module, group: tuple[str, ...]) -> nn.Module:
     """`model` keeping only the unit's modules, as split_by_fqn keeps a stage's, sharing its
     parameters and buffers (no copy of the weights)."""
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return _prune(copy.deepcopy(model, memo), "", set(group))
+    return prune(copy.deepcopy(model, memo), "", set(group))
 
 
 def _one_process_group() -> dist.ProcessGroup:

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from . import _tree, microbatch
+from ._tree import tensor_layout  # noqa: F401 - the layout of a step's arguments, named here too
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -99,7 +100,7 @@ def input_signature(step: StepData, device_type: str = "cpu") -> tuple[list, str
     the stages' device type (autocast changes the dtypes the stages produce: a step entering
     or leaving it, or changing its dtype, negotiates anew, as a change of shape does)."""
     tensors: list[torch.Tensor] = []
-    layout = tensor_layout((step.args[0], step.microbatch_kwargs(0)), tensors)
+    layout = _tree.tensor_layout((step.args[0], step.microbatch_kwargs(0)), tensors)
     return _tree.specs_of(tensors), layout + autocast_state(device_type)
 
 
@@ -109,17 +110,3 @@ def autocast_state(device_type: str) -> str:
     on = [f"{t}={str(torch.get_autocast_dtype(t)).removeprefix('torch.')}"
           for t in dict.fromkeys(("cpu", device_type)) if torch.is_autocast_enabled(t)]
     return f" autocast({','.join(on)})" if on else ""
-
-
-def tensor_layout(obj, out: list) -> str:
-    """Collects the tensors nested in tuples, lists and dicts into `out`; returns the layout
-    (containers, keys and where the tensors sit; other values are only marked)."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-        return "T"
-    if isinstance(obj, (tuple, list)):
-        return "(" + ",".join(tensor_layout(v, out) for v in obj) + ")"
-    if isinstance(obj, dict):
-        return "{" + ",".join(f"{k!r}:{tensor_layout(v, out)}"
-                              for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))) + "}"
-    return "."

@@ -93,6 +93,12 @@ void register_program(py::module_& m) {
                   "Builds a program from per-rank action strings (lowered if compute-only), "
                   "validated; rendezvous=True also with NCCL's rendezvous sends.")
       .def("compute_only", &strip_comms, "The program without its SEND/RECV actions.")
+      .def_property_readonly("fingerprint", &fingerprint,
+                             "What the program does, as text: topology, microbatches and a hash of the action lists "
+                             "(the name aside); the runtime's program agreement compares it with the name added.")
+      .def("__eq__", &same_program, py::is_operator(),
+           "Equal topology, microbatches and action lists (the name aside: zb_auto may build zb_h1's program).")
+      .def("__hash__", &program_hash)
       .def("__repr__", &program_repr);
 }
 
@@ -164,17 +170,50 @@ void register_simulator(py::module_& m) {
         "Runs the program under per-stage costs (zbpipe.simulate takes scalars too).");
 }
 
+void register_executor_options(py::module_& m) {
+  // One line each: a schedule's keyword parameters and their docs come from here
+  // (zbpipe/executor_options.py), the defaults from the C++ structs.
+  using runtime::ExecutorOptions;
+  ExecutorOptionsClass(m, "The options a schedule passes whole to every executor it builds; "
+                          "ExecutorOptions(**fields) sets any of them by name.")
+      .seconds("timeout_s", &ExecutorOptions::timeout,
+               "seconds any single wait may take before the step fails on this rank.")
+      .field("device_timing", &ExecutorOptions::device_timing,
+             "record per-action device times (accelerators) and each action's thread CPU time (cpu_ns) "
+             "in trace().")
+      .field("prepost_receives", &ExecutorOptions::prepost_receives,
+             "post every receive of a step when it starts (a send then finds its receive waiting), where "
+             "messages complete on the host (Gloo). None: on there, off on stream-ordered backends; False "
+             "posts each at its RECV action, holding fewer receive buffers at a time; True on a "
+             "stream-ordered group (NCCL, or stream_ordered=True) raises zbpipe.ScheduleError when the first "
+             "step builds the executor.")
+      .field("static_shapes", &ExecutorOptions::static_shapes,
+             "keep the first step's shapes for every step, saving the one small message per step and rank "
+             "through which the first stage's rank names the step's input signature (by default a new "
+             "signature renegotiates the shapes). Every rank must pass the same value.")
+      .field("stream_ordered", &runtime::P2POptions::stream_ordered,
+             "post and wait as on NCCL (every batch coalesced where the backend can, receives at their RECV "
+             "action, waits polled against the timeout). None: from the device (True off the CPU); True on "
+             "a CPU group runs NCCL's discipline over Gloo.")
+      .field("overlap_f_b", &ExecutorOptions::overlap_f_b,
+             "run the two halves of each OVERLAP_F_B unit (DualPipeV) at the same time: the backward (C++ "
+             "autograd) on a worker thread, with its own stream on accelerators, while this thread runs the "
+             "forward; the forward's SEND goes out as soon as it finishes. False runs them in sequence. Only "
+             "the executor's own halves overlap: a function registered for OVERLAP_F_B "
+             "(register_custom_function) runs the halves itself through ctx.run, one after the other, with "
+             "its own work between.");
+}
+
 void register_runtime(py::module_& m) {
   py::register_exception<runtime::PipelineError>(m, "PipelineError", PyExc_RuntimeError);
 
   py::class_<runtime::Executor>(m, "Executor",
       "Runs one rank's lowered program over a c10d process group (see csrc/runtime/executor.h).")
       .def(py::init(&make_executor), py::arg("program"), py::arg("process_group"), py::arg("stages"),
-           py::arg("device"), py::kw_only(), py::arg("timeout_s") = 300.0, py::arg("device_timing") = false,
-           py::arg("prepost_receives") = py::none(), py::arg("static_shapes") = false,
-           py::arg("stream_ordered") = py::none(), py::arg("overlap_f_b") = true, py::arg("global_rank") = -1,
+           py::arg("device"), py::kw_only(), py::arg("options") = py::none(), py::arg("global_rank") = -1,
            py::arg("group_ranks") = std::vector<int>{}, py::arg("sync_groups") = py::dict(),
-           "`stages`: global stage index -> PipelineStage; the keywords are ExecutorOptions'.")
+           "`stages`: global stage index -> PipelineStage; `options`: an ExecutorOptions (None: the "
+           "defaults), any of its fields also by name.")
       .def("run", &run_step, py::arg("step"), py::arg("first_inputs") = py::none(), py::arg("loss_scale") = 1.0,
            "Runs one step on `step` (handed to every stage call); returns (outputs, losses) of the "
            "last stage per microbatch on its rank, else ([], []). The GIL is released; stage calls "
@@ -269,6 +308,7 @@ PYBIND11_MODULE(_C, m) {
   register_program(m);
   register_compile(m);
   register_simulator(m);
+  register_executor_options(m);
   register_runtime(m);
   register_backward(m);
   register_partition(m);

@@ -207,6 +207,7 @@ std::vector<std::string> compute_actions(const Program& p, int rank) { return ac
 
 bool action_is_compute(const Action& a) { return is_compute(a.kind); }
 std::size_t action_hash(const Action& a) { return std::hash<std::string>()(to_string(a)); }
+std::size_t program_hash(const Program& p) { return std::hash<std::string>()(fingerprint(p)); }
 
 std::string program_repr(const Program& p) {
   return detail::str("Program(schedule='", p.schedule, "', pp=", p.pp, ", num_stages=", p.num_stages,

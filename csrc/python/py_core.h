@@ -74,6 +74,7 @@ std::vector<std::string> compute_actions(const Program& p, int rank);
 
 bool action_is_compute(const Action& a);
 std::size_t action_hash(const Action& a);
+std::size_t program_hash(const Program& p);  // of its fingerprint: equal programs, equal hashes
 std::string program_repr(const Program& p);
 std::string timeline_event_repr(const TimelineEvent& e);
 std::string sim_result_repr(const SimResult& r);

@@ -153,8 +153,14 @@ void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
     ensure_watch();
     failures_.arm();
     const std::function<void()> stop = [this] { failures_.check_stop(); };
-    agreement_.before_step({*step_.data, first_inputs, failures_.step(), options_.timeout, failures_.watch(),
-                            failures_.id(), failures_.global(program_.rank_of(0)), stop});
+    agreement_.before_step({.data = *step_.data,
+                            .first_inputs = first_inputs,
+                            .number = failures_.step(),
+                            .timeout = options_.timeout,
+                            .watch = failures_.watch(),
+                            .id = failures_.id(),
+                            .stage0_rank = failures_.global(program_.rank_of(0)),
+                            .check_stop = stop});
     meet_replicas_at_start();
   });
   step_.loss_scale = loss_scale;
