@@ -7,6 +7,7 @@
 #include "zbpipe/error.h"
 #include "zbpipe/limits.h"
 #include "zbpipe/passes.h"
+#include "zbpipe/vocab.h"
 
 namespace zbpipe {
 
@@ -40,7 +41,11 @@ Program build(const std::string& schedule, const BuildArgs& args) {
 
 Program compile(const std::string& schedule, const BuildArgs& args) {
   check_options(find_schedule(schedule), args);
-  return lower(build(schedule, args));
+  Program lowered = lower(build(schedule, args));
+  if (!args.vocab_parallel) return lowered;
+  Program with_vocab = insert_vocab(lowered, args.costs, args.vocab);
+  validate(with_vocab);
+  return with_vocab;
 }
 
 }  // namespace zbpipe

@@ -267,6 +267,11 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
       comms_->post(e);
       return;
     case Kind::OVERLAP_F_B:
+    case Kind::S:
+    case Kind::T:
+    case Kind::BCAST_F:
+    case Kind::ALLREDUCE_S:
+    case Kind::REDUCE_B:
       break;
   }
   ZB_CHECK(false, "a dispatch entry holds '", kind_name(e.kind), "'");
