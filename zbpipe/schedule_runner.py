@@ -58,12 +58,15 @@ class ExecutorRunner:
         options: the C++ Executor's keyword options (timeout_s, device_timing,
             prepost_receives, static_shapes, stream_ordered, overlap_f_b).
         measure_memory: measure every training step's memory deltas (memory_profile).
+        vocab: the schedule's VocabParallelOutput (output=), handed to executors of programs
+            with vocabulary actions.
 
     A program change (bind_program) drops the executors; the next step builds them anew.
     """
 
-    def __init__(self, stages: list, options: dict, measure_memory: bool = False):
+    def __init__(self, stages: list, options: dict, measure_memory: bool = False, vocab=None):
         self._stages = stages
+        self._vocab = vocab  # the VocabParallelOutput, for programs with vocabulary actions
         self._group = stages[0].group
         self._world = _world_ranks(self._group)
         self._options = options
@@ -151,7 +154,8 @@ class ExecutorRunner:
             ex = _C.Executor(
                 program, self._group, {s.stage_index: s for s in self._stages},
                 self._stages[0].device, **self._options, global_rank=self._world[0],
-                group_ranks=self._world[1], sync_groups=sync_groups)
+                group_ranks=self._world[1], sync_groups=sync_groups,
+                vocab=self._vocab if any(a.kind == _C.Kind.S for a in program.action_values(0)) else None)
         except Exception as e:  # tell the peers, whatever the device: they would wait for this rank
             what = f"{type(e).__name__}: {e}"
             _C.Executor.report_setup_failure(self._group, _flat(self._sync_groups(train)), self._world[0], what)

@@ -28,13 +28,17 @@ from .step_data import StepData, input_signature
 
 @functools.lru_cache(maxsize=256)
 def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int, forward_only: bool,
-                    options: tuple = ()):
+                    options: tuple = (), vocab_parallel: bool = False):
     """Compiled (lowered, validated) program, cached per schedule, microbatch count and compile
-    options (costs and memory cap for cost-driven schedules such as zb_auto)."""
+    options (costs and memory cap for cost-driven schedules such as zb_auto); vocab_parallel:
+    with the vocabulary head's passes (output=)."""
     if not forward_only:
-        return _compile(name, pp, microbatches, stages_per_rank or None, **dict(options))
+        return _compile(name, pp, microbatches, stages_per_rank or None, vocab_parallel=vocab_parallel,
+                        **dict(options))
     # Forward only: the schedule's forwards, in its order and topology, lowered and validated.
-    return _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
+    prog = _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
+    return _C.insert_vocab(prog) if vocab_parallel else prog
+
 
 
 class _OneRunning:
@@ -112,6 +116,10 @@ class PipelineSchedule:
         stages: this rank's PipelineStage, or the list of them (multi-stage schedules).
         n_microbatches: microbatches per step (the batch must split evenly).
         loss_fn: loss_fn(output, target, **loss_kwargs) on the last stage; None runs forward only.
+        output: a zbpipe.VocabParallelOutput in place of loss_fn: the LM head and its loss split by
+            vocabulary rows over every rank, its passes and collectives placed in the program
+            (compile(..., vocab_parallel=True)); the last stage returns the head's input, and
+            every rank gives target= (docs/vocab_parallel.md). ValueError with loss_fn too.
         scale_grads: gradients of the mean microbatch loss (as one full-batch mean loss; False:
             of their sum, for a loss_fn that already divides, as torchtitan's). The scaling is
             applied to each microbatch loss before its backward, so gradients accumulated from
@@ -195,6 +203,7 @@ class PipelineSchedule:
         stream_ordered: bool | None = None,
         overlap_f_b: bool = True,
         measure_memory: bool = False,
+        output=None,
         _program: _C.Program | None = None,
     ):
         if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
@@ -209,13 +218,14 @@ class PipelineSchedule:
         self._stages = _rank_stages(stages)
         self._n = n_microbatches
         self._loss_fn = loss_fn
-        self._has_backward = loss_fn is not None and not self.forward_only
+        self._vocab = _check_output(output, loss_fn, self._stages)
+        self._has_backward = (loss_fn is not None or output is not None) and not self.forward_only
         self.scale_grads = scale_grads
         self._backward_requires_autograd = backward_requires_autograd
         self._runner = ExecutorRunner(self._stages, dict(
             timeout_s=float(timeout), device_timing=device_timing, prepost_receives=prepost_receives,
             static_shapes=static_shapes, stream_ordered=stream_ordered, overlap_f_b=overlap_f_b),
-            measure_memory)
+            measure_memory, vocab=self._vocab)
         self._eval_program: _C.Program | None = None
         self._program: _C.Program | None = None
         if _program is not None:
@@ -232,7 +242,8 @@ class PipelineSchedule:
                              "(uneven layouts run through PipelineSchedule.from_program)")
         options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                for k, v in (compile_options or {}).items()))
-        return _cached_program(self.schedule, pp, self._n, num_stages // pp, not self._has_backward, options)
+        return _cached_program(self.schedule, pp, self._n, num_stages // pp, not self._has_backward, options,
+                               self._vocab is not None)
 
     def _set_program(self, prog: _C.Program) -> None:
         """Takes `prog` after checking that it fits the stages (any layout that validates,
@@ -264,6 +275,8 @@ class PipelineSchedule:
             return self.program
         if self._eval_program is None:  # the same forwards, in the same order and topology
             self._eval_program = _C.lower(_C.strip_backward(self._program.compute_only()))
+            if self._vocab is not None:  # and the head's forward half, for the losses
+                self._eval_program = _C.insert_vocab(self._eval_program)
         return self._eval_program
 
     def _check_grad_mode(self) -> None:
@@ -349,7 +362,8 @@ class PipelineSchedule:
                 self._runner.check_data_parallel(train)
                 step = StepData.build(self._n, train=train, has_first=any(s.is_first for s in self._stages),
                                       has_last=any(s.is_last for s in self._stages), loss_fn=self._loss_fn,
-                                      keep_outputs=return_outputs, loss_kwargs=loss_kwargs, **inputs)
+                                      keep_outputs=return_outputs, loss_kwargs=loss_kwargs, vocab=self._vocab,
+                                      **inputs)
                 first_inputs = None
                 if step.args is not None and not self._runner.static_shapes:
                     first_inputs = input_signature(step)
@@ -360,6 +374,8 @@ class PipelineSchedule:
                 raise
             loss_scale = 1.0 / self._n if self.scale_grads else 1.0
             outputs, mb_losses = self._runner.run(executor, step, first_inputs, loss_scale, self, losses)
+            if train and self._vocab is not None:
+                self._vocab._sync_gradients()
         if not any(s.is_last for s in self._stages):
             return None
         if losses is not None:
@@ -413,6 +429,26 @@ class PipelineSchedule:
         """The last step's trace as Chrome JSON; with a memory profile, one counter event per
         local stage ("stage S saved bytes": mem_f, mem_w)."""
         self._runner.export_chrome_trace(path)
+
+
+def _check_output(output, loss_fn, stages):
+    """The vocabulary-parallel output given as output= (None: none): TypeError for another
+    object, ValueError beside a loss_fn or on another process group than the stages'."""
+    if output is None:
+        return None
+    from .vocab_parallel import VocabParallelOutput
+
+    if not isinstance(output, VocabParallelOutput):
+        raise TypeError(f"output= takes a zbpipe.VocabParallelOutput, got {type(output).__name__}")
+    if loss_fn is not None:
+        raise ValueError("output= (a VocabParallelOutput, which computes the loss) and loss_fn= both define the "
+                         "loss: give one")
+    group = stages[0].group
+    if output.group is not group and (output.group.size(), output.group.rank()) != (group.size(), group.rank()):
+        raise ValueError(f"the VocabParallelOutput is sharded over a group of {output.group.size()} ranks "
+                         f"(this rank {output.group.rank()}), the stages run on one of {group.size()} (this rank "
+                         f"{group.rank()}): build it with group= the pipeline's group")
+    return output
 
 
 class PipelineScheduleSingle(PipelineSchedule):

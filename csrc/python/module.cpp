@@ -188,6 +188,7 @@ void register_runtime(py::module_& m) {
            py::arg("prepost_receives") = py::none(), py::arg("static_shapes") = false,
            py::arg("stream_ordered") = py::none(), py::arg("overlap_f_b") = true, py::arg("global_rank") = -1,
            py::arg("group_ranks") = std::vector<int>{}, py::arg("sync_groups") = py::dict(),
+           py::arg("vocab") = py::none(),
            "`stages`: global stage index -> PipelineStage; the keywords are ExecutorOptions'.")
       .def("run", &run_step, py::arg("step"), py::arg("first_inputs") = py::none(), py::arg("loss_scale") = 1.0,
            "Runs one step on `step` (handed to every stage call); returns (outputs, losses) of the "

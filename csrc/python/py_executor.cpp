@@ -5,6 +5,7 @@
 #include <map>
 
 #include "python/py_stage.h"
+#include "python/py_vocab.h"
 #include "python/step_interrupt.h"
 #include "runtime/replica_barrier.h"
 #include "runtime/p2p.h"
@@ -69,7 +70,8 @@ std::unique_ptr<runtime::Executor> make_executor(
     const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
     const py::dict& stages, const at::Device& device, double timeout_s, bool device_timing,
     std::optional<bool> prepost_receives, bool static_shapes, std::optional<bool> stream_ordered,
-    bool overlap_f_b, int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups) {
+    bool overlap_f_b, int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups,
+    const py::object& vocab) {
   std::map<int, std::shared_ptr<runtime::StageHandle>> handles;
   for (auto [index, stage] : stages)
     handles[index.cast<int>()] = std::make_shared<PyStage>(py::reinterpret_borrow<py::object>(stage));
@@ -78,6 +80,7 @@ std::unique_ptr<runtime::Executor> make_executor(
   options.device_timing = device_timing;
   options.prepost_receives = prepost_receives;
   options.static_shapes = static_shapes;
+  if (!vocab.is_none()) options.vocab = std::make_shared<PyVocab>(vocab);
   options.overlap_f_b = overlap_f_b;
   options.global_rank = global_rank;
   options.group_ranks = std::move(group_ranks);

@@ -28,7 +28,8 @@ std::unique_ptr<runtime::Executor> make_executor(
     const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
     const py::dict& stages, const at::Device& device, double timeout_s, bool device_timing,
     std::optional<bool> prepost_receives, bool static_shapes, std::optional<bool> stream_ordered,
-    bool overlap_f_b, int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups);
+    bool overlap_f_b, int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups,
+    const py::object& vocab);
 
 // Executor.run(step, first_inputs, loss_scale): runs one step on `step` (the Python step data
 // every stage call receives) with the GIL released; `first_inputs` is the (specs, structure)

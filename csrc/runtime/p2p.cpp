@@ -22,6 +22,7 @@ struct Batch {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> tensors;  // receive buffers (and Completion::Host sends) until complete
   bool done = false;                // seen complete: works and tensors released
+  bool collective = false;          // a collective (post_collective): completed by polling
   std::vector<c10::Stream> streams;  // Completion::Stream: the streams ordered after it
   // The group it was posted on, set by track_live: an abandoned batch is released once its
   // group is gone (see P2P::abandon).
@@ -94,6 +95,45 @@ std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
   }
   track_live(batch);
   if (sends) watch(batch);  // completed by progress or settle, whether waited or not
+  return batch;
+}
+
+std::shared_ptr<Batch> P2P::post_collective(CollectiveOp op, std::chrono::milliseconds timeout,
+                                            const std::string& what) {
+  if (aborted_) throw CommAborted("communication of this rank was aborted (a peer failed)");
+  auto batch = std::make_shared<Batch>();
+  batch->collective = true;
+  std::vector<at::Tensor> one{op.tensor};
+  c10::intrusive_ptr<c10d::Work> work;
+  switch (op.type) {
+    case CollectiveOp::Type::Broadcast: {
+      c10d::BroadcastOptions o;
+      o.rootRank = op.root;
+      o.timeout = timeout;
+      work = pg_->broadcast(one, o);
+      break;
+    }
+    case CollectiveOp::Type::AllReduceSum: {
+      c10d::AllreduceOptions o;
+      o.reduceOp = c10d::ReduceOp::SUM;
+      o.timeout = timeout;
+      work = pg_->allreduce(one, o);
+      break;
+    }
+    case CollectiveOp::Type::ReduceSum: {
+      c10d::ReduceOptions o;
+      o.reduceOp = c10d::ReduceOp::SUM;
+      o.rootRank = op.root;
+      o.timeout = timeout;
+      work = pg_->reduce(one, o);
+      break;
+    }
+  }
+  ZB_CHECK(work, "backend ", backend_name_, " returned no work for a collective");
+  batch->works.push_back(std::move(work));
+  batch->tensors.push_back(std::move(op.tensor));
+  track_live(batch);
+  watch(batch).what = what;  // completed by wait, or by settle at the step's end
   return batch;
 }
 
@@ -247,7 +287,10 @@ void P2P::wait(const std::shared_ptr<Batch>& batch, std::chrono::milliseconds ti
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   if (completion_ == Completion::Host) {
     Watched w{batch, deadline, timeout, what, owner};
-    complete_on_host(w);  // a watched send batch is then done: progress and settle drop it
+    // A watched send batch is then done: progress and settle drop it. A collective completes on
+    // the backend's own threads: polled, so that an abort ends the wait (Gloo cannot abort it).
+    if (batch->collective) poll(w);
+    else complete_on_host(w);
     return;
   }
   Watched& w = watch(batch);  // deque: the reference survives later push_backs
@@ -292,7 +335,7 @@ void P2P::settle(std::chrono::milliseconds timeout) {
   while (!watched_.empty()) {
     Watched& w = watched_.front();
     if (!w.batch->done) {
-      if (completion_ == Completion::Host) complete_on_host(w);
+      if (completion_ == Completion::Host && !w.batch->collective) complete_on_host(w);
       else if (!probe(w)) poll(w);  // the host blocks only on what is not complete yet
     }
     watched_.pop_front();
