@@ -66,6 +66,7 @@ void VocabRun::set_input(int mb, const at::Tensor& hidden) {
 }
 
 void VocabRun::wait(const std::shared_ptr<Batch>& batch, Kind k, int mb, int64_t& wait_ns) {
+  if (pp_ == 1) return;  // one shard: nothing crosses
   ZB_CHECK(batch, "'", name(k, mb), "' was not posted before it was needed");
   const auto t0 = std::chrono::steady_clock::now();
   const std::string what = k == Kind::BCAST_F ? detail::str(name(k, mb), " (from rank ", root_, ")")
@@ -80,6 +81,7 @@ void VocabRun::post_broadcast(int mb) {
   if (rank_ != root_)
     s.hidden = at::empty({s.target.numel(), shard_.in_features}, weight_.options().requires_grad(false));
   ZB_CHECK(s.hidden.defined(), "'", name(Kind::BCAST_F, mb), "' on the root before the last stage's F");
+  if (pp_ == 1) return;
   s.bcast = p2p_.post_collective({CollectiveOp::Type::Broadcast, root_, s.hidden}, timeout_, name(Kind::BCAST_F, mb));
 }
 
@@ -111,6 +113,7 @@ void VocabRun::s_pass(int mb, int64_t& wait_ns) {
 void VocabRun::post_allreduce(int mb) {
   Slot& s = slot(mb);
   ZB_CHECK(s.stats.defined(), "'", name(Kind::ALLREDUCE_S, mb), "' before its S");
+  if (pp_ == 1) return;
   s.stats_batch = p2p_.post_collective({CollectiveOp::Type::AllReduceSum, -1, s.stats}, timeout_,
                                        name(Kind::ALLREDUCE_S, mb));
 }
@@ -141,6 +144,7 @@ void VocabRun::post_reduce(int mb, int64_t& wait_ns) {
   at::Tensor part = s.part.mul_(s.scale.unsqueeze(1)).sub_(s.picked.mul_(s.grad.unsqueeze(1)));
   s.picked = at::Tensor();
   s.part = part.to(weight_.scalar_type()).contiguous();  // the head's input dtype (begin checks it)
+  if (pp_ == 1) return;
   s.grad_batch = p2p_.post_collective({CollectiveOp::Type::ReduceSum, root_, s.part}, timeout_,
                                       name(Kind::REDUCE_B, mb));
 }

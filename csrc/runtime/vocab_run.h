@@ -62,6 +62,7 @@ class VocabRun {
   at::Tensor loss(int mb);
 
   // The step's end (its collectives completed) or failure: drops the step's tensors.
+  // With one rank (pp = 1) nothing is posted and nothing waits: the one shard is the head.
   void end();
 
  private:
