@@ -1,9 +1,14 @@
 """Terminal pictures of a simulated program: the slot grid of ``zbpipe plan`` (ranks as rows,
-one column per time slot, like the papers' figures) and short labels shared with the plots."""
+one column per time slot, like the papers' figures) and short labels shared with the plots.
+A vocabulary-parallel program's S and T passes show as "S3" / "T3"."""
 
 from __future__ import annotations
 
 from . import _C
+
+
+# The vocabulary passes (docs/vocab_parallel.md): their leading number is the rank's shard.
+VOCAB_PASSES = (_C.Kind.S, _C.Kind.T)
 
 
 def kind_letter(kind: _C.Kind) -> str:
@@ -21,6 +26,8 @@ def short_label(program: _C.Program, action: _C.Action) -> str:
     papers shade a V schedule's second chunk; canonical strings beyond two stages per rank."""
     if action.kind == _C.Kind.OVERLAP_F_B:
         return "+".join(short_label(program, sub) for sub in action.sub_actions)
+    if action.kind in VOCAB_PASSES:  # the rank's vocabulary shard: not a stage
+        return f"{kind_letter(action.kind)}{action.microbatch}"
     spr = program.num_stages // program.pp
     if spr > 2:
         return str(action)

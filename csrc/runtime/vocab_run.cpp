@@ -101,8 +101,10 @@ void VocabRun::s_pass(int mb, int64_t& wait_ns) {
   const at::Tensor logit = z.gather(1, local.unsqueeze(1)).squeeze(1).mul_(in_shard.to(at::kFloat));
   z.sub_(m.unsqueeze(1)).exp_();  // e = exp(z - m), in place
   const at::Tensor sum = z.sum(1);
-  s.soft = z.div_(sum.unsqueeze(1));
-  s.part = at::matmul(s.soft.to(w.scalar_type()), w).to(at::kFloat);
+  // p_r = e / s_r is never formed: T and u_r = p_r W_r = (e W_r) / s_r take the 1 / s_r on the
+  // token side (an [N] vector instead of a pass over [N, V_r]).
+  s.soft = z;
+  s.part = at::matmul(s.soft.to(w.scalar_type()), w).to(at::kFloat).div_(sum.unsqueeze(1));
   s.picked = w.index_select(0, local).to(at::kFloat).mul_(in_shard.unsqueeze(1).to(at::kFloat));
   s.stats = at::zeros({pp_, 3, n}, m.options());
   s.stats[rank_][0].copy_(m);
@@ -155,7 +157,7 @@ void VocabRun::t_pass(int mb, int64_t& wait_ns) {
   at::NoGradGuard no_grad;
   // G = g (alpha_r p_r - onehot): the softmax rows rescaled in place, the targets on this shard
   // lowered by g.
-  at::Tensor g = s.soft.mul_(s.scale.unsqueeze(1));
+  at::Tensor g = s.soft.mul_(s.scale.div(s.stats[rank_][1]).unsqueeze(1));  // e g alpha_r / s_r = g alpha_r p_r
   s.soft = at::Tensor();
   const at::Tensor rows = ((s.target >= shard_.begin) & (s.target < shard_.end)).nonzero().squeeze(1);
   if (rows.numel() > 0)

@@ -71,7 +71,7 @@ class VocabRun {
     at::Tensor hidden;   // [N, d]: the head's input
     std::vector<int64_t> hidden_shape;  // the last stage's output shape (root)
     std::shared_ptr<Batch> bcast, stats_batch, grad_batch;
-    at::Tensor soft;     // [N, V_r] float: the shard's softmax under its own statistics
+    at::Tensor soft;     // [N, V_r] float: exp(z - m_r), the shard's softmax times s_r
     at::Tensor part;     // [N, d]: p_r W_r, then (REDUCE_B) this rank's input-gradient part
     at::Tensor picked;   // [N, d]: W_r's rows of the targets on this shard, 0 elsewhere
     at::Tensor stats;    // [pp, 3, N] float: every shard's (max, sum of exp, target logit)
