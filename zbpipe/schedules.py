@@ -33,8 +33,9 @@ def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int,
     options (costs and memory cap for cost-driven schedules such as zb_auto); vocab_parallel:
     with the vocabulary head's passes (output=)."""
     if not forward_only:
-        return _compile(name, pp, microbatches, stages_per_rank or None, vocab_parallel=vocab_parallel,
-                        **dict(options))
+        kw = dict(options)  # compile_options may say vocab_parallel too (PartitionPlan.compile_options)
+        kw["vocab_parallel"] = vocab_parallel or bool(kw.get("vocab_parallel"))
+        return _compile(name, pp, microbatches, stages_per_rank or None, **kw)
     # Forward only: the schedule's forwards, in its order and topology, lowered and validated.
     prog = _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
     return _C.insert_vocab(prog) if vocab_parallel else prog
