@@ -119,7 +119,8 @@ class PartitionPlan:
         if self.vocab is None:
             return {}
         c = self.stage_costs()
-        return dict(vocab_parallel=True, f=c["f"], b=c["b"], w=c["w"], comm=self.comm_s, s=self.vocab["s"],
+        return dict(vocab_parallel=True, f=c["f"], b=c["b"], w=c["w"], b_full=c["b_full"], comm=self.comm_s,
+                    s=self.vocab["s"],
                     t=self.vocab["t"], collective=self.vocab["collective"])
 
     def torchtitan_config(self) -> dict:

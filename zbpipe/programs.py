@@ -70,8 +70,8 @@ def compile(
     ``vocab_parallel=True`` adds vocabulary parallelism (docs/vocab_parallel.md): every rank
     gets the S and T passes of its shard of the LM head for every microbatch (``1S0``,
     ``1T0``) and the collectives between them (``BCAST_F``, ``ALLREDUCE_S``, ``REDUCE_B``),
-    placed by a timed run of the program under the stage costs (``f``, ``b``, ``w``, ``comm``:
-    every schedule takes them then) and the head's: ``s`` and ``t`` (per rank or one value),
+    placed by a timed run of the program under the stage costs (``f``, ``b``, ``w``, ``b_full``,
+    ``comm``: every schedule takes them then) and the head's: ``s`` and ``t`` (per rank or one value),
     ``collective`` (a collective's latency), ``mem_s`` (what an S holds until its T) and
     ``backlog`` (the most microbatches a rank holds between S and T, default 2). Any of these
     five without ``vocab_parallel`` raises ScheduleError.

@@ -58,7 +58,7 @@ inline const std::vector<std::string> kBuildOptions = {
 // With vocab_parallel every schedule takes these: the vocabulary head's own (VocabModel) and
 // the stage costs its placement is timed with.
 inline const std::vector<std::string> kVocabOptions = {"s", "t", "collective", "mem_s", "backlog"};
-inline const std::vector<std::string> kVocabPlacementCosts = {"f", "b", "w", "comm"};
+inline const std::vector<std::string> kVocabPlacementCosts = {"f", "b", "w", "b_full", "comm"};
 
 using Builder = std::function<Program(const BuildArgs&)>;
 
