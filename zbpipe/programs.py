@@ -47,6 +47,7 @@ def compile(
     collective: float | None = None,
     mem_s: Cost | None = None,
     backlog: int | None = None,
+    lookahead: int | None = None,
 ) -> _C.Program:
     """Builds, lowers (SEND/RECV) and validates a schedule; raises ScheduleError on bad input.
 
@@ -73,8 +74,10 @@ def compile(
     placed by a timed run of the program under the stage costs (``f``, ``b``, ``w``, ``b_full``,
     ``comm``: every schedule takes them then) and the head's: ``s`` and ``t`` (per rank or one value),
     ``collective`` (a collective's latency), ``mem_s`` (what an S holds until its T) and
-    ``backlog`` (the most microbatches a rank holds between S and T, default 2). Any of these
-    five without ``vocab_parallel`` raises ScheduleError.
+    ``backlog`` (the most microbatches a rank holds between S and T, default 2) and
+    ``lookahead`` (the forwards a rank may run ahead of the schedule's order where it would
+    wait for the head, default 2; 0 keeps the order). Any of these without ``vocab_parallel``
+    raises ScheduleError.
     """
     def optional_int(name, value):
         return None if value is None else _door.integer("compile", name, value, bits=32)
@@ -101,6 +104,7 @@ def compile(
         collective=None if collective is None else _door.number("compile", "collective", collective),
         mem_s=_given("mem_s", mem_s),
         backlog=optional_int("backlog", backlog),
+        lookahead=optional_int("lookahead", lookahead),
     )
 
 

@@ -41,9 +41,8 @@ Program build(const std::string& schedule, const BuildArgs& args) {
 
 Program compile(const std::string& schedule, const BuildArgs& args) {
   check_options(find_schedule(schedule), args);
-  Program lowered = lower(build(schedule, args));
-  if (!args.vocab_parallel) return lowered;
-  Program with_vocab = insert_vocab(lowered, args.costs, args.vocab);
+  if (!args.vocab_parallel) return lower(build(schedule, args));
+  Program with_vocab = place_vocab(build(schedule, args), args.costs, args.vocab, args.memory);
   validate(with_vocab);
   return with_vocab;
 }

@@ -11,6 +11,7 @@
 #include "zbpipe/cost_model.h"
 #include "zbpipe/error.h"
 #include "zbpipe/memory_model.h"
+#include "zbpipe/passes.h"
 #include "zbpipe/simulator.h"
 
 namespace zbpipe {
@@ -77,8 +78,9 @@ class ProgramSearch {
     memory.mem_w[0] = memory.mem_f[0];
     costs.comm = o_.comm;
     SimResult res;
-    if (o_.vocab) {  // the head's passes placed under this split's costs, and simulated with them
-      const Program placed = insert_vocab(p_, costs, o_.vocab->model);
+    if (o_.vocab) {  // the head's passes placed under this split's costs as compile() places them
+      if (compute_only_.ranks.empty()) compute_only_ = strip_comms(p_);
+      const Program placed = place_vocab(compute_only_, costs, o_.vocab->model, memory);
       res = simulate(placed, costs, memory, o_.vocab->model, /*with_timeline=*/false);
     } else {
       res = simulate(p_, costs, memory, /*with_timeline=*/false);
@@ -209,6 +211,7 @@ class ProgramSearch {
   }
 
   const Program& p_;
+  Program compute_only_;  // p_ without SEND/RECV (the vocabulary placement's input), made once
   const UnitProfile& u_;
   const Prefix& pre_;
   const PartitionOptions& o_;

@@ -30,6 +30,7 @@ void VocabModel::check(int pp) const {
   ZB_SCHEDULE_CHECK(std::isfinite(collective) && collective >= 0.0,
                     "vocabulary 'collective' must be finite and non-negative, got ", collective);
   ZB_SCHEDULE_CHECK(backlog >= 1, "vocabulary 'backlog' must be >= 1, got ", backlog);
+  ZB_SCHEDULE_CHECK(lookahead >= 0, "vocabulary 'lookahead' must be >= 0, got ", lookahead);
 }
 
 bool has_vocab(const Program& p) {

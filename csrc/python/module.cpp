@@ -109,6 +109,7 @@ void register_compile(py::module_& m) {
         py::arg("search_threads") = py::none(), py::arg("refine") = py::none(),
         py::arg("vocab_parallel") = false, py::arg("s") = py::none(), py::arg("t") = py::none(),
         py::arg("collective") = py::none(), py::arg("mem_s") = py::none(), py::arg("backlog") = py::none(),
+        py::arg("lookahead") = py::none(),
         "Builds, lowers and validates a schedule (vocab_parallel: with the vocabulary head's S and T "
         "passes and collectives placed, vocab.h); options left at None are not given.");
   m.def("insert_vocab", &insert_vocab_program, py::arg("program"), py::arg("f") = std::vector<double>{1.0},

@@ -73,7 +73,7 @@ Program compile_program(const std::string& name, int64_t pp, int64_t microbatche
                         std::optional<bool> refine, bool vocab_parallel,
                         std::optional<std::vector<double>> s, std::optional<std::vector<double>> t,
                         std::optional<double> collective, std::optional<std::vector<double>> mem_s,
-                        std::optional<int> backlog) {
+                        std::optional<int> backlog, std::optional<int> lookahead) {
   BuildArgs args = build_args(name, pp, microbatches, stages_per_rank);
   auto take = [&](const char* option, auto& from, auto& to) {
     if (!from) return;
@@ -103,6 +103,7 @@ Program compile_program(const std::string& name, int64_t pp, int64_t microbatche
   take("collective", collective, args.vocab.collective);
   take("mem_s", mem_s, args.vocab.mem_s);
   take("backlog", backlog, args.vocab.backlog);
+  take("lookahead", lookahead, args.vocab.lookahead);
   return interruptible([&] { return compile(name, args); });
 }
 

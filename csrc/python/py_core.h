@@ -36,7 +36,7 @@ Program compile_program(const std::string& name, int64_t pp, int64_t microbatche
                         std::optional<std::vector<double>> t = std::nullopt,
                         std::optional<double> collective = std::nullopt,
                         std::optional<std::vector<double>> mem_s = std::nullopt,
-                        std::optional<int> backlog = std::nullopt);
+                        std::optional<int> backlog = std::nullopt, std::optional<int> lookahead = std::nullopt);
 // Only the builder: the compute-only program, neither lowered nor validated.
 Program build_program(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank);
 // Costs as CostModel's lists; mem_w empty: mem_w = mem_f (memory_model.h).

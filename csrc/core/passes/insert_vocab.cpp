@@ -14,9 +14,11 @@
 //   3. its own next compute, once its inputs (and, for the last stage's backward, the reduced
 //      gradient) are there;
 //   4. a T, to fill what would be idle time (as W does in the zero-bubble schedules).
+#include <algorithm>
 #include <cstdint>
 #include <functional>
 #include <queue>
+#include <string>
 #include <string>
 #include <vector>
 
@@ -24,7 +26,9 @@
 #include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
+#include "zbpipe/compile.h"
 #include "zbpipe/passes.h"
+#include "zbpipe/simulator.h"
 #include "zbpipe/vocab.h"
 #include "../stage_values.h"
 
@@ -47,16 +51,35 @@ bool is_forward_only(const Program& p) {
 
 class VocabPlacement {
  public:
-  VocabPlacement(const Program& in, const CostModel& costs, const VocabModel& vocab)
-      : in_(in), vocab_(vocab), table_(in.num_stages, costs, {}), comm_(costs.comm),
+  // `lookahead`: the forwards a rank may run ahead of its own order while it would otherwise
+  // wait (reorder_for_vocab's run, on a compute-only program); 0 keeps the order.
+  VocabPlacement(const Program& in, const CostModel& costs, const VocabModel& vocab, int lookahead,
+                 const VocabPolicy& policy)
+      : in_(in), vocab_(vocab), lookahead_(lookahead), priority_(policy.priority), table_(in.num_stages, costs, {}),
+        comm_(costs.comm),
         training_(!is_forward_only(in)), root_(vocab_root(in)), last_(in.num_stages - 1),
         per_mb_(training_ ? 3 : 2), end_(in.num_stages, in.microbatches, kUnset),
         sent_(in.num_stages, in.microbatches, kUnset), next_(in.pp, 0), clock_(in.pp, 0.0),
         next_s_(in.pp, 0), next_t_(in.pp, 0), turn_(in.pp, 0),
-        posts_(static_cast<size_t>(in.microbatches) * per_mb_, 0),
+        taken_(in.pp), ahead_(in.pp, 0), posts_(static_cast<size_t>(in.microbatches) * per_mb_, 0),
         latest_(static_cast<size_t>(in.microbatches) * per_mb_, 0.0),
         complete_(static_cast<size_t>(in.microbatches) * per_mb_, kUnset) {
     out_ = in;
+    for (int r = 0; r < in.pp; ++r) taken_[r].assign(in.ranks[r].size(), 0);
+    // The collective order (vocab.h): per microbatch m, BCAST_F m and ALLREDUCE_S m, then
+    // (training) REDUCE_B m - lag; the last `lag` reductions at the end.
+    turn_index_.assign(static_cast<size_t>(in.microbatches) * 3, 0);
+    auto add = [&](Kind k, int mb) {
+      turn_index_[static_cast<size_t>(mb) * 3 + slot(k)] = order_.size();
+      order_.emplace_back(-1, k, mb);
+    };
+    const int lag = training_ ? std::min(policy.lag, in.microbatches) : 0;
+    for (int mb = 0; mb < in.microbatches; ++mb) {
+      add(Kind::BCAST_F, mb);
+      add(Kind::ALLREDUCE_S, mb);
+      if (training_ && mb >= lag) add(Kind::REDUCE_B, mb - lag);
+    }
+    for (int mb = in.microbatches - lag; training_ && mb < in.microbatches; ++mb) add(Kind::REDUCE_B, mb);
     for (int r = 0; r < in.pp; ++r) {
       out_.ranks[r].clear();
       // Per microbatch: S, its three collectives and, training, T.
@@ -82,17 +105,10 @@ class VocabPlacement {
 
  private:
   int total() const { return in_.microbatches; }
-  // The position of a collective in the order every rank posts them: per microbatch
-  // BCAST_F, ALLREDUCE_S and (training) REDUCE_B.
-  size_t turn_of(Kind k, int mb) const {
-    const int within = k == Kind::BCAST_F ? 0 : k == Kind::ALLREDUCE_S ? 1 : 2;
-    return static_cast<size_t>(mb) * per_mb_ + within;
-  }
-  Action collective_at(size_t turn) const {
-    const int within = static_cast<int>(turn % per_mb_);
-    const Kind k = within == 0 ? Kind::BCAST_F : within == 1 ? Kind::ALLREDUCE_S : Kind::REDUCE_B;
-    return Action(-1, k, static_cast<int>(turn / per_mb_));
-  }
+  static size_t slot(Kind k) { return k == Kind::BCAST_F ? 0 : k == Kind::ALLREDUCE_S ? 1 : 2; }
+  // The position of a collective in the order every rank posts them (order_).
+  size_t turn_of(Kind k, int mb) const { return turn_index_[static_cast<size_t>(mb) * 3 + slot(k)]; }
+  const Action& collective_at(size_t turn) const { return order_[turn]; }
   bool completed(Kind k, int mb, double now) const {
     const double t = complete_[turn_of(k, mb)];
     return t != kUnset && t <= now;
@@ -191,18 +207,42 @@ class VocabPlacement {
       const double ready = ready_time(acts[next_[r]]);
       base_ready = ready != kUnset && ready <= now;
     }
-    if (s_input && !s_backlogged) {
+    const bool own_first = base_ready && (priority_ == VocabPriority::kOwnFirst ||
+                                          (priority_ == VocabPriority::kBackwardFirst && acts[next_[r]].kind != Kind::F));
+    if (own_first) {
+      run_base(r, next_[r], now);
+    } else if (s_input && !s_backlogged) {
       run_vocab(r, Kind::S, s, vocab_.s_time(r), now);
       ++next_s_[r];
     } else if (t_ready && (s_input || !base_ready)) {
       run_vocab(r, Kind::T, t, vocab_.t_time(r), now);
       ++next_t_[r];
     } else if (base_ready) {
-      run_base(r, now);
+      run_base(r, next_[r], now);
+    } else if (const size_t k = forward_ahead(r, now); k < acts.size()) {
+      run_base(r, k, now);
     } else {
       return false;
     }
     return true;
+  }
+
+  // The rank's first forward after its head that is ready now, while fewer than `lookahead`
+  // ran ahead of the order (each holds one more microbatch's activations until its backward);
+  // the forwards of one stage stay in order. acts.size(): none.
+  size_t forward_ahead(int r, double now) const {
+    const auto& acts = in_.ranks[r];
+    if (ahead_[r] >= lookahead_) return acts.size();
+    std::vector<int> blocked;  // stages with an earlier forward still to run
+    for (size_t k = next_[r] + 1; k < acts.size(); ++k) {
+      const Action& a = acts[k];
+      if (taken_[r][k] || a.kind != Kind::F) continue;
+      if (std::find(blocked.begin(), blocked.end(), a.stage) != blocked.end()) continue;
+      const double ready = ready_time(a);
+      if (ready != kUnset && ready <= now) return k;
+      blocked.push_back(a.stage);
+    }
+    return acts.size();
   }
 
   void run_vocab(int r, Kind k, int mb, double duration, double now) {
@@ -211,8 +251,9 @@ class VocabPlacement {
     times_.push(clock_[r]);
   }
 
-  void run_base(int r, double now) {
-    const Action& a = in_.ranks[r][next_[r]];
+  // Runs base action `k` of rank r (its head, or a forward ahead of it).
+  void run_base(int r, size_t k, double now) {
+    const Action& a = in_.ranks[r][k];
     double duration = 0.0;
     for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
       duration += table_.of(*s).duration;
@@ -220,7 +261,16 @@ class VocabPlacement {
     for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
       end_.at(s->stage, s->kind, s->microbatch) = finish;
     out_.ranks[r].push_back(a);
-    ++next_[r];
+    if (k == next_[r]) {
+      ++next_[r];
+      while (next_[r] < in_.ranks[r].size() && taken_[r][next_[r]]) {  // the head reaches what ran ahead
+        ++next_[r];
+        --ahead_[r];
+      }
+    } else {
+      taken_[r][k] = 1;
+      ++ahead_[r];
+    }
     clock_[r] = finish;
     times_.push(finish);
     times_.push(finish + comm_);
@@ -247,6 +297,8 @@ class VocabPlacement {
 
   const Program& in_;
   const VocabModel& vocab_;
+  const int lookahead_;
+  const VocabPriority priority_;
   const StageTable table_;
   const double comm_;
   const bool training_;
@@ -257,7 +309,11 @@ class VocabPlacement {
   std::vector<size_t> next_;  // next base action per rank
   std::vector<double> clock_;  // when each rank is free
   std::vector<int> next_s_, next_t_;  // next S / T microbatch per rank
+  std::vector<std::vector<char>> taken_;  // per rank and base action: it ran ahead of the head
+  std::vector<int> ahead_;                // per rank: forwards that ran ahead and the head has not reached
   std::vector<size_t> turn_;  // next collective (collective_at) per rank
+  std::vector<Action> order_;        // the collectives in the order every rank posts them
+  std::vector<size_t> turn_index_;   // (microbatch, kind) -> its position in order_
   std::vector<int> posts_;    // per collective turn: ranks that posted it
   std::vector<double> latest_, complete_;  // its latest post, its completion (kUnset: not yet)
   std::priority_queue<double, std::vector<double>, std::greater<double>> times_;
@@ -265,14 +321,68 @@ class VocabPlacement {
 
 }  // namespace
 
-Program insert_vocab(const Program& lowered, const CostModel& costs, const VocabModel& vocab) {
+Program reorder_for_vocab(const Program& compute_only, const CostModel& costs, const VocabModel& vocab,
+                          const VocabPolicy& policy) {
+  check_shape(compute_only);
+  ZB_SCHEDULE_CHECK(!compute_only.has_comms() && !has_vocab(compute_only), "reorder_for_vocab expects a "
+                    "compute-only program without vocabulary actions; '", compute_only.schedule, "' has them");
+  costs.check(compute_only.num_stages, compute_only.microbatches, compute_only.pp);
+  vocab.check(compute_only.pp);
+  if (vocab.lookahead == 0) return compute_only;
+  Program placed = VocabPlacement(compute_only, costs, vocab, vocab.lookahead, policy).run();
+  for (auto& acts : placed.ranks) {  // the base program's actions in their new order
+    std::vector<Action> kept;
+    for (Action& a : acts)
+      if (!is_vocab(a.kind)) kept.push_back(std::move(a));
+    acts = std::move(kept);
+  }
+  return placed;
+}
+
+Program insert_vocab(const Program& lowered, const CostModel& costs, const VocabModel& vocab,
+                     const VocabPolicy& policy) {
   check_shape(lowered);
   ZB_SCHEDULE_CHECK(lowered.has_comms() || lowered.pp == 1, "insert_vocab expects a lowered program (with "
                     "SEND/RECV); '", lowered.schedule, "' is compute-only");
   ZB_SCHEDULE_CHECK(!has_vocab(lowered), "'", lowered.schedule, "' already has vocabulary actions");
   costs.check(lowered.num_stages, lowered.microbatches, lowered.pp);
   vocab.check(lowered.pp);
-  return VocabPlacement(lowered, costs, vocab).run();
+  return VocabPlacement(lowered, costs, vocab, 0, policy).run();
+}
+
+Program place_vocab(const Program& compute_only, const CostModel& costs, const VocabModel& vocab,
+                    const MemoryModel& memory) {
+  // The policies tried, in order (ties go to the first): which pass a rank runs first when both
+  // could, how far its forwards may run ahead, and how many broadcasts a reduction may lag.
+  const VocabPriority priorities[] = {VocabPriority::kVocabFirst, VocabPriority::kBackwardFirst};
+  std::vector<int> lookaheads = {0};
+  if (vocab.lookahead > 0) lookaheads.push_back(vocab.lookahead);
+  Program best;
+  double best_makespan = 0.0;
+  bool found = false;
+  std::string last_error;
+  for (int lag : {0, 1})
+    for (int ahead : lookaheads)
+      for (VocabPriority priority : priorities) {
+        VocabModel model = vocab;
+        model.lookahead = ahead;
+        const VocabPolicy policy{priority, lag};
+        Program placed;
+        try {
+          placed = insert_vocab(lower(reorder_for_vocab(compute_only, costs, model, policy)), costs, model, policy);
+        } catch (const ScheduleError& e) {  // a lag the schedule's order cannot keep
+          if (lag == 0) throw;
+          last_error = e.what();
+          continue;
+        }
+        const double makespan = simulate(placed, costs, memory, vocab, /*with_timeline=*/false).makespan;
+        if (!found || makespan < best_makespan * (1 - 1e-12)) {
+          best = std::move(placed);
+          best_makespan = makespan;
+          found = true;
+        }
+      }
+  return best;
 }
 
 }  // namespace zbpipe

@@ -54,10 +54,10 @@ int search_thread_count(int requested);
 inline const std::vector<std::string> kBuildOptions = {
     "f",     "b",          "w",         "b_full",        "comm", "mem_f",
     "mem_w", "memory_cap", "exhaustive_search", "search_threads", "refine",
-    "vocab_parallel", "s", "t", "collective", "mem_s", "backlog"};
+    "vocab_parallel", "s", "t", "collective", "mem_s", "backlog", "lookahead"};
 // With vocab_parallel every schedule takes these: the vocabulary head's own (VocabModel) and
 // the stage costs its placement is timed with.
-inline const std::vector<std::string> kVocabOptions = {"s", "t", "collective", "mem_s", "backlog"};
+inline const std::vector<std::string> kVocabOptions = {"s", "t", "collective", "mem_s", "backlog", "lookahead"};
 inline const std::vector<std::string> kVocabPlacementCosts = {"f", "b", "w", "b_full", "comm"};
 
 using Builder = std::function<Program(const BuildArgs&)>;

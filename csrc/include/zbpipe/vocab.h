@@ -25,10 +25,12 @@
 // the same order (a process group matches collectives by their order).
 #pragma once
 
+#include <cstdint>
 #include <vector>
 
 #include "zbpipe/action.h"
 #include "zbpipe/cost_model.h"
+#include "zbpipe/memory_model.h"
 #include "zbpipe/program.h"
 
 namespace zbpipe {
@@ -43,12 +45,35 @@ struct VocabModel {
   std::vector<double> mem_s{};
   // Placement only: the most microbatches a rank holds between their S and their T.
   int backlog = 2;
+  // Placement only (reorder_for_vocab): the forwards a rank may run ahead of its schedule's
+  // order while it would otherwise wait for the head, each holding one more microbatch's
+  // activations until its backward. 0 keeps the schedule's order.
+  int lookahead = 2;
 
   double s_time(int rank) const;
   double t_time(int rank) const;
   double memory(int rank) const;
-  // Checks sizes (1 or pp values), finite non-negative values and backlog >= 1; ScheduleError.
+  // Checks sizes (1 or pp values), finite non-negative values, backlog >= 1 and lookahead >= 0;
+  // ScheduleError.
   void check(int pp) const;
+};
+
+// Which pass a rank runs first when the S of its next microbatch and its own next compute could
+// both start (the placement's one free choice besides T, which always fills idle time):
+enum class VocabPriority : uint8_t {
+  kVocabFirst,     // the S: the last stage's backward waits for every rank's
+  kBackwardFirst,  // its own backward (the pipeline's backward chain), else the S
+  kOwnFirst,       // its own compute
+};
+
+// How the placement decides (insert_vocab, reorder_for_vocab): the priority, and `lag`: how
+// many microbatches' broadcasts may go out before a reduction (the collective order is, per
+// microbatch m, BCAST_F m, ALLREDUCE_S m, REDUCE_B m - lag). A lag of 1 lets every rank start
+// the S of m + 1 before the reduction of m, where the last stage runs a forward ahead of its
+// backward.
+struct VocabPolicy {
+  VocabPriority priority = VocabPriority::kVocabFirst;
+  int lag = 0;
 };
 
 // Whether the program has vocabulary actions.
@@ -69,6 +94,25 @@ inline bool needs_vocab_grad(const Program& p, const Action& part) {
 // soon as its turn (the order BCAST_F m, ALLREDUCE_S m, REDUCE_B m, then m + 1) and its input
 // allow. The base program's actions keep their order. Throws ScheduleError for a program that
 // already has vocabulary actions, or if the placement finds no way on (the grid marked).
-Program insert_vocab(const Program& lowered, const CostModel& costs, const VocabModel& vocab);
+Program insert_vocab(const Program& lowered, const CostModel& costs, const VocabModel& vocab,
+                     const VocabPolicy& policy = {});
+
+// Before lowering: the compute-only program's order with forwards moved ahead where the same
+// timed run (with S and T placed as insert_vocab places them) finds a rank waiting, at most
+// `vocab.lookahead` ahead per rank (the schedules whose last stage runs each backward right
+// after its forward, 1F1B's, would otherwise wait for every rank's S each microbatch; the
+// paper's Vocab-1 runs the last stage ahead the same way). The result has no vocabulary
+// actions; compile() lowers it and then runs insert_vocab.
+Program reorder_for_vocab(const Program& compute_only, const CostModel& costs, const VocabModel& vocab,
+                          const VocabPolicy& policy = {});
+
+// compile()'s vocabulary step: a compute-only program without vocabulary actions gets them as
+// reorder_for_vocab, lowering and insert_vocab place them, under each of a few policies (S or
+// the rank's own backward first; forwards ahead 0 or vocab.lookahead; lag 0 or 1, skipped
+// where the order cannot keep it), each simulated under
+// `costs`, `memory` and `vocab`; the least makespan wins (ties: the first tried). Lowered, not
+// validated.
+Program place_vocab(const Program& compute_only, const CostModel& costs, const VocabModel& vocab,
+                    const MemoryModel& memory = {});
 
 }  // namespace zbpipe
