@@ -54,6 +54,8 @@ class VocabParallelOutput(nn.Module):
         self.vocab_size = vocab
         self.in_features = width
         self.ignore_index = int(ignore_index)
+        # Emulated devices (benchmarks/bench_vocab.py): (S ms, T ms) each pass also sleeps.
+        self._emulate_ms = (0.0, 0.0)
         with torch.no_grad():
             self.weight = nn.Parameter(head.weight[begin:end].detach().clone())
             self.bias = nn.Parameter(head.bias[begin:end].detach().clone()) if head.bias is not None else None

@@ -12,6 +12,9 @@ PyVocab::PyVocab(py::object output) : output_(std::move(output)) {
   shard_.vocab = output_.attr("vocab_size").cast<int64_t>();
   shard_.in_features = output_.attr("in_features").cast<int64_t>();
   shard_.ignore_index = output_.attr("ignore_index").cast<int64_t>();
+  const auto emulate = output_.attr("_emulate_ms").cast<std::pair<double, double>>();
+  shard_.emulate_s_ms = emulate.first;
+  shard_.emulate_t_ms = emulate.second;
 }
 
 PyVocab::~PyVocab() {

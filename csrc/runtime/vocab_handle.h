@@ -17,6 +17,9 @@ struct VocabShard {
   int64_t begin = 0, end = 0, vocab = 0;
   int64_t in_features = 0;   // the head's input width (the last stage's output width)
   int64_t ignore_index = -100;  // a target that counts in no loss
+  // Emulated devices (zbpipe bench, benchmarks/bench_vocab.py): each S and T also spends this
+  // long without using the CPU (a sleep), so a tiny head stands for a large one's passes.
+  double emulate_s_ms = 0.0, emulate_t_ms = 0.0;
 };
 
 // Contract: every call is made from the executor thread, without the GIL held.

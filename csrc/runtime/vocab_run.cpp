@@ -4,6 +4,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
 
+#include <thread>
+
 #include "runtime/errors.h"
 #include "zbpipe/error.h"
 #include "zbpipe/vocab.h"
@@ -11,6 +13,11 @@
 namespace zbpipe::runtime {
 
 namespace {
+// An emulated pass's time, without using the CPU (VocabShard::emulate_s_ms).
+void spend(double ms) {
+  if (ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
+}
+
 // Adds `g` to the .grad of parameter `p`, as autograd accumulates it.
 void accumulate(at::Tensor& p, at::Tensor g) {
   at::Tensor& grad = p.mutable_grad();
@@ -110,6 +117,7 @@ void VocabRun::s_pass(int mb, int64_t& wait_ns) {
   s.stats[rank_][0].copy_(m);
   s.stats[rank_][1].copy_(sum);
   s.stats[rank_][2].copy_(logit);
+  spend(shard_.emulate_s_ms);
 }
 
 void VocabRun::post_allreduce(int mb) {
@@ -166,6 +174,7 @@ void VocabRun::t_pass(int mb, int64_t& wait_ns) {
   accumulate(weight_, at::matmul(gw.t(), s.hidden.to(weight_.scalar_type())));
   if (bias_.defined()) accumulate(bias_, g.sum(0).to(bias_.scalar_type()));
   s.hidden = at::Tensor();
+  spend(shard_.emulate_t_ms);
 }
 
 void VocabRun::await_input_grad(int mb, int64_t& wait_ns) {
