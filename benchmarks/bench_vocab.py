@@ -26,9 +26,10 @@ emulated  pp=4 and pp=8 Gloo ranks, EmulatedBlock units (zbpipe/bench/emulated.p
           The peer is the core's search (zbpipe.partition._search, plan_partition without its
           measuring) with the head a unit; the vocabulary-parallel split is the same search
           with every rank doing S = 2H / pp and T = H / pp (H = the head's F = I = W), a
-          VocabParallelOutput of a 4-row-per-rank head sleeping those times. Both run
-          round-robin as above; printed with their simulations. Goal: realized and simulated
-          order the two alike.
+          VocabParallelOutput of a 4-row-per-rank head sleeping those times. Both plans and
+          their simulations use the hop and all-reduce latencies measured in the same world
+          (medians of 30). Both run round-robin as above; printed with their simulations.
+          Goal: realized and simulated order the two alike.
 trainer   `zbpipe train --vocab 32000 --partition auto` with and without --vocab-parallel
           (--schedule zbv, pp=2): the trainer's own tokens/s. Goal: vocab-parallel within 5% of
           the plan without it (its step at most 1.05x).
@@ -241,14 +242,40 @@ def _emulated_module(units: list[UnitCost]) -> nn.Sequential:
     return nn.Sequential(*(EmulatedBlock(WIDTH, u.f * 1e3, u.i * 1e3, u.w * 1e3) for u in units))
 
 
+def _latencies(reps: int = 30) -> tuple[float, float]:
+    """(a small message's one-way latency, a small all-reduce's), medians over `reps`, seconds:
+    the simulations' comm and collective."""
+    t = torch.zeros(8)
+    rank, size = dist.get_rank(), dist.get_world_size()
+    hops, reduces = [], []
+    for _ in range(reps):
+        dist.barrier()
+        start = time.perf_counter()
+        if rank == 0:
+            dist.send(t, 1)
+            dist.recv(t, 1)
+        elif rank == 1:
+            dist.recv(t, 0)
+            dist.send(t, 0)
+        hops.append((time.perf_counter() - start) / 2)
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(t)
+        reduces.append(time.perf_counter() - start)
+    every = [None] * size
+    dist.all_gather_object(every, (statistics.median(hops), statistics.median(reduces)))
+    return every[0][0], max(r for _, r in every)
+
+
 def _emulated_rank(rank, size, schedule, layer_ms, head_layers, steps):
     m = 2 * size
+    comm, collective = _latencies()
     programs, skipped = _programs([schedule], size, m, 4 * size + 2)
-    peer_plan = _search(_units(size, layer_ms, head_layers, True), programs, skipped, size, m, None, 0.0, 20_000)
+    peer_plan = _search(_units(size, layer_ms, head_layers, True), programs, skipped, size, m, None, comm, 20_000)
     h = head_layers * layer_ms * 1e-3
     vocab = dict(s=[2 * h / size] * size, t=[h / size] * size, mem_s=[0.0] * size, static_bytes=[0.0] * size,
-                 collective=0.0)
-    split_plan = _search(_units(size, layer_ms, head_layers, False), programs, skipped, size, m, None, 0.0, 20_000,
+                 collective=collective)
+    split_plan = _search(_units(size, layer_ms, head_layers, False), programs, skipped, size, m, None, comm, 20_000,
                          vocab)
     split_plan.head = "head"
     x = torch.zeros(2 * m, WIDTH)
@@ -270,7 +297,7 @@ def _emulated_rank(rank, size, schedule, layer_ms, head_layers, steps):
             params += list(out.parameters())
         configs[name] = (sched, (x,) if 0 in mine else (), target, params)
         predicted[name] = plan.predicted_step_s
-    return _rounds(configs, steps), predicted
+    return _rounds(configs, steps), predicted, (comm, collective)
 
 
 def emulated(pps, schedule, layer_ms, steps):
@@ -279,12 +306,13 @@ def emulated(pps, schedule, layer_ms, steps):
     rows = []
     for pp in pps:
         for label, head_layers in (("32k", 4.9), ("128k", 24.0)):
-            times, predicted = run_local(_emulated_rank, pp, (schedule, layer_ms, head_layers, steps),
-                                         timeout_s=3600)[0]
+            times, predicted, (comm, collective) = run_local(_emulated_rank, pp, (schedule, layer_ms, head_layers,
+                                                                               steps), timeout_s=3600)[0]
             real_ratio, sim_ratio = times["vocab"] / times["peer"], predicted["vocab"] / predicted["peer"]
             same = (real_ratio < 1) == (sim_ratio < 1)
             rows.append((pp, label, real_ratio, sim_ratio, same))
-            print(f"pp={pp} head {label} ({head_layers} layers): peer {times['peer'] * 1e3:.0f} ms (simulated "
+            print(f"pp={pp} head {label} ({head_layers} layers; measured hop {comm * 1e3:.2f} ms, all-reduce "
+                  f"{collective * 1e3:.2f} ms, simulated with them): peer {times['peer'] * 1e3:.0f} ms (simulated "
                   f"{predicted['peer'] * 1e3:.0f}, realized / simulated {times['peer'] / predicted['peer']:.2f}); "
                   f"vocab {times['vocab'] * 1e3:.0f} ms (simulated {predicted['vocab'] * 1e3:.0f}, "
                   f"{times['vocab'] / predicted['vocab']:.2f}); vocab / peer {real_ratio:.3f} realized, "

@@ -229,6 +229,29 @@ void P2P::complete_on_host(Watched& w) {
   finish(*w.batch);
 }
 
+void P2P::complete_collective(Watched& w) {
+  // Gloo completes a collective on its own threads and cannot abort it: wait on the work in
+  // slices (a condition variable, no spinning: on a loaded host a spinning rank takes the CPU
+  // its peers need to reach the collective), checking the abort and the deadline in between.
+  constexpr auto kSlice = std::chrono::milliseconds(20);
+  for (auto& work : w.batch->works) {
+    translated(w, [&] {
+      for (;;) {
+        if (aborted_) aborted_wait(w.what);
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(w.deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) wait_failed(w.what, backend_name_, w.timeout, "not complete by its deadline", w.owner);
+        try {
+          work->wait(std::min(left, kSlice));
+          return;
+        } catch (const c10::Error&) {
+          if (work->isCompleted()) throw;  // it failed; else the slice ran out ("Operation timed out!")
+        }
+      }
+    });
+  }
+  finish(*w.batch);
+}
+
 void P2P::poll(Watched& w) {
   if (aborted_) aborted_wait(w.what);
   for (auto& work : w.batch->works) {
@@ -289,7 +312,7 @@ void P2P::wait(const std::shared_ptr<Batch>& batch, std::chrono::milliseconds ti
     Watched w{batch, deadline, timeout, what, owner};
     // A watched send batch is then done: progress and settle drop it. A collective completes on
     // the backend's own threads: polled, so that an abort ends the wait (Gloo cannot abort it).
-    if (batch->collective) poll(w);
+    if (batch->collective) complete_collective(w);
     else complete_on_host(w);
     return;
   }
@@ -335,8 +358,12 @@ void P2P::settle(std::chrono::milliseconds timeout) {
   while (!watched_.empty()) {
     Watched& w = watched_.front();
     if (!w.batch->done) {
-      if (completion_ == Completion::Host && !w.batch->collective) complete_on_host(w);
-      else if (!probe(w)) poll(w);  // the host blocks only on what is not complete yet
+      if (completion_ == Completion::Host) {
+        if (w.batch->collective) complete_collective(w);
+        else complete_on_host(w);
+      } else if (!probe(w)) {
+        poll(w);  // the host blocks only on what is not complete yet
+      }
     }
     watched_.pop_front();
   }

@@ -137,8 +137,8 @@ class P2P {
   // Posts one collective on the group (every rank of the group posts the same collectives in
   // the same order) as a batch of its own, never coalesced with messages; the backend bounds
   // it by `timeout` too. Watched until seen complete, as a send batch (settle completes it);
-  // `wait` completes it by polling against its deadline and the abort, as on a stream-ordered
-  // backend, since Gloo cannot abort a collective. Does not block; throws as post does.
+  // `wait` completes it in slices of a blocking Work::wait, checking its deadline and the
+  // abort in between, since Gloo cannot abort a collective. Does not block; throws as post does.
   // `what` names it in the errors of settle.
   std::shared_ptr<Batch> post_collective(CollectiveOp op, std::chrono::milliseconds timeout,
                                          const std::string& what);
@@ -195,6 +195,7 @@ class P2P {
   };
   void complete_on_host(Watched& w);  // Completion::Host: Work::wait until the deadline
   void poll(Watched& w);              // Completion::Stream: isCompleted until the deadline
+  void complete_collective(Watched& w);  // Completion::Host, a collective: Work::wait in slices
   bool probe(Watched& w);             // Completion::Stream: complete now? (never blocks)
   // The watched entry of `batch`, added (never waited: no deadline yet) when it has none.
   Watched& watch(const std::shared_ptr<Batch>& batch);
