@@ -6,8 +6,15 @@ same schedule family, measured in the same run (issue 42's goals; docs/benchmark
     PYTHONPATH=. python benchmarks/bench_vocab.py --part real --vocab 131072 32768 --steps 5
     PYTHONPATH=. python benchmarks/bench_vocab.py --part emulated --pp 4 8
     PYTHONPATH=. python benchmarks/bench_vocab.py --part trainer
+    PYTHONPATH=. python benchmarks/bench_vocab.py --part placement
 
 Parts:
+
+placement the simulator alone: each schedule compiled with vocab_parallel at pp 2, 4, 8 (8 layers
+          per rank of f = i = w = 1, 4pp microbatches, a head of 4.9 or 24 layers split 2:1 into S
+          and T per rank), its step over the base program's step plus each rank's S and T work
+          (1.0: the passes fill no idle time, they add exactly their work); and compile's time
+          at pp=8, 32 microbatches.
 
 real      pp=2 Gloo ranks, one per core (sched_setaffinity) and one torch thread each, real
           compute: a Llama-shaped model (RMSNorm, causal attention, SwiGLU; d=512, 8 layers,
@@ -320,6 +327,38 @@ def emulated(pps, schedule, layer_ms, steps):
     return rows
 
 
+# ---- placement (simulation only) ---------------------------------------------------------------
+
+PLACED = ["gpipe", "1f1b", "zb_h1", "zb_h2", "interleaved_1f1b", "interleaved_zb", "looped_bfs", "zbv", "dualpipev",
+          "v_half", "v_min", "zb_auto"]
+
+
+def placement():
+    """How much the placed passes add over the schedule without a head (simulated): the step
+    against the base program's step plus each rank's S and T work; and compile's time."""
+    print("placement (simulated): 8 layers per rank of f = i = w = 1, 4pp microbatches, head of H layers split 2:1 "
+          "into S and T per rank; step / (base step + 4pp (S + T))")
+    print(f"{'schedule':<17}" + "".join(f"{f'pp={pp} H={h}':>14}" for pp in (2, 4, 8) for h in (4.9, 24)) +
+          f"{'compile ms pp=8':>17}")
+    for name in PLACED:
+        cells = []
+        for pp in (2, 4, 8):
+            m = 4 * pp
+            base = zbpipe.compile(name, pp, m)
+            c = 8 * pp / base.num_stages
+            base_step = zbpipe.simulate(base, c, c, c, 0.05).makespan
+            for h in (4.9, 24.0):
+                sv, tv = 2 * h / pp, h / pp
+                prog = zbpipe.compile(name, pp, m, vocab_parallel=True, f=c, b=c, w=c, comm=0.05, s=sv, t=tv,
+                                      collective=0.1)
+                step = zbpipe.simulate(prog, c, c, c, 0.05, s=sv, t=tv, collective=0.1).makespan
+                cells.append(step / (base_step + m * (sv + tv)))
+        start = time.perf_counter()
+        zbpipe.compile(name, 8, 32, vocab_parallel=True)
+        took = (time.perf_counter() - start) * 1e3
+        print(f"{name:<17}" + "".join(f"{v:14.3f}" for v in cells) + f"{took:17.1f}")
+
+
 # ---- the toy trainer ---------------------------------------------------------------------------
 
 def trainer(steps: int):
@@ -343,7 +382,7 @@ def trainer(steps: int):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=("all", "real", "emulated", "trainer"), default="all")
+    p.add_argument("--part", choices=("all", "placement", "real", "emulated", "trainer"), default="all")
     p.add_argument("--vocab", type=int, nargs="+", default=[131072, 32768])
     p.add_argument("--pp", type=int, nargs="+", default=[4, 8])
     p.add_argument("--schedule", default="zbv")
@@ -353,6 +392,8 @@ def main() -> None:
     a = p.parse_args()
     print(f"bench_vocab: {time.strftime('%Y-%m-%d %H:%M')}, {os.cpu_count()} CPUs, load average "
           f"{', '.join(f'{v:.1f}' for v in os.getloadavg())}, zbpipe {zbpipe.__version__}")
+    if a.part in ("all", "placement"):
+        placement()
     if a.part in ("all", "real"):
         real(a.vocab, a.schedule, a.steps)
     if a.part in ("all", "emulated"):

@@ -230,3 +230,26 @@ def test_the_placement_keeps_the_best_policy_it_tries(name, pp):
     assert grid.makespan <= single.makespan
     if name == "1f1b":
         assert grid.makespan < 0.95 * single.makespan
+
+
+def test_the_drawings_show_the_passes_and_the_collectives(tmp_path, capsys):
+    from zbpipe import plot
+    from zbpipe.cli import main
+    from zbpipe.timeline_text import slot_grid
+
+    prog = zbpipe.compile("1f1b", 2, 2, vocab_parallel=True)
+    res = zbpipe.simulate(prog, collective=0.5)
+    grid = slot_grid(prog, res)
+    assert "S0" in grid and "T1" in grid
+    boxes, arrows = plot.program_boxes(prog, res, 0.0)
+    assert {b.kind for b in boxes} >= {"S", "T", "COMM"}
+    root = prog.stage_to_rank[-1]
+    assert any(a.src_rank == root and a.dst_rank != root for a in arrows)  # a broadcast
+    assert any(a.dst_rank == root and a.src_rank != root and a.end - a.start >= 0.5 for a in arrows)  # a reduction
+    assert main(["plan", "1f1b", "--pp", "2", "-m", "2", "--vocab-parallel"]) == 0
+    assert "S0" in capsys.readouterr().out
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "vocab.png"
+    assert main(["draw", "zbv", "--pp", "2", "-m", "4", "--vocab-parallel", "--s", "0.5", "--collective", "0.1",
+                 "-o", str(out)]) == 0
+    assert out.stat().st_size > 1000
