@@ -244,7 +244,11 @@ void P2P::complete_collective(Watched& w) {
           work->wait(std::min(left, kSlice));
           return;
         } catch (const c10::Error&) {
-          if (work->isCompleted()) throw;  // it failed; else the slice ran out ("Operation timed out!")
+          // The slice ran out ("Operation timed out!"), or the work failed. It may also have
+          // completed right after the slice: its own exception then, or none.
+          if (!work->isCompleted()) continue;
+          if (auto e = work->exception()) std::rethrow_exception(e);
+          return;
         }
       }
     });
