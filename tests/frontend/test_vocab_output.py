@@ -140,3 +140,16 @@ def test_one_rank_equals_one_process(name):
             torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(out.weight.grad, ref_head.weight.grad, rtol=1e-5, atol=1e-7)
     torch.testing.assert_close(out.bias.grad, ref_head.bias.grad, rtol=1e-5, atol=1e-7)
+
+
+def test_inference_reports_the_losses_without_gradients():
+    world, body, stage = _one_rank()
+    head = _head()
+    out = zbpipe.VocabParallelOutput(head, group=world.group(0))
+    x, y = torch.randint(V, (4, 5)), torch.randint(V, (4, 5))
+    losses = []
+    zbpipe.ScheduleInference(stage, 2, output=out).step(x, target=y, losses=losses)
+    with torch.no_grad():
+        want = [F.cross_entropy(head(body(xc)).flatten(0, 1), yc.flatten()) for xc, yc in zip(x.chunk(2), y.chunk(2))]
+    torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-5, atol=0)
+    assert out.weight.grad is None and all(p.grad is None for p in body.parameters())
