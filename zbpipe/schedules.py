@@ -30,13 +30,18 @@ from .step_data import StepData
 
 @functools.lru_cache(maxsize=256)
 def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int, forward_only: bool,
-                    options: tuple = ()):
+                    options: tuple = (), vocab_parallel: bool = False):
     """Compiled (lowered, validated) program, cached per schedule, microbatch count and compile
-    options (costs and memory cap for cost-driven schedules such as zb_auto)."""
+    options (costs and memory cap for cost-driven schedules such as zb_auto); vocab_parallel:
+    with the vocabulary head's passes (output=)."""
     if not forward_only:
-        return _compile(name, pp, microbatches, stages_per_rank or None, **dict(options))
+        kw = dict(options)  # compile_options may say vocab_parallel too (PartitionPlan.compile_options)
+        kw["vocab_parallel"] = vocab_parallel or bool(kw.get("vocab_parallel"))
+        return _compile(name, pp, microbatches, stages_per_rank or None, **kw)
     # Forward only: the schedule's forwards, in its order and topology, lowered and validated.
-    return _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
+    prog = _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
+    return _C.insert_vocab(prog) if vocab_parallel else prog
+
 
 
 class OneRunning:
@@ -118,6 +123,10 @@ class PipelineSchedule:
             them): ``TensorChunkSpec(dim)`` concatenates along ``dim``, a ``_CustomReducer``
             (torch's ``sum_reducer``) reduces, anything else keeps a value every microbatch
             gave equal; None: tensors along dim 0 (0-d ones stacked).
+        output: a zbpipe.VocabParallelOutput in place of loss_fn: the LM head and its loss split by
+            vocabulary rows over every rank, its passes and collectives placed in the program
+            (compile(..., vocab_parallel=True)); the last stage returns the head's input, and
+            every rank gives target= (docs/vocab_parallel.md). ValueError with loss_fn too.
         scale_grads: gradients of the mean microbatch loss (as one full-batch mean loss; False:
             of their sum, for a loss_fn that already divides, as torchtitan's). The scaling is
             applied to each microbatch loss before its backward, so gradients accumulated from
@@ -182,6 +191,7 @@ class PipelineSchedule:
         defer_pp_recv: bool = False,
         compile_options: dict | None = None,
         measure_memory: bool = False,
+        output=None,
         _program: _C.Program | None = None,
         **options,
     ):
@@ -202,11 +212,12 @@ class PipelineSchedule:
         self._stages = rank_stages(stages)
         self._n = n_microbatches
         self._loss_fn = loss_fn
-        self._has_backward = loss_fn is not None and not self.forward_only
+        self._vocab = _check_output(output, loss_fn, self._stages)
+        self._has_backward = (loss_fn is not None or output is not None) and not self.forward_only
         self.scale_grads = scale_grads
         self._backward_requires_autograd = backward_requires_autograd
         self._runner = ExecutorRunner(self._stages, executor_options.build(options, type(self).__name__),
-                                      measure_memory)
+                                      measure_memory, vocab=self._vocab)
         if _program is not None:
             self._set_program(_program)
         elif not self._loads_program:
@@ -221,7 +232,8 @@ class PipelineSchedule:
                              "(uneven layouts run through PipelineSchedule.from_program)")
         options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                for k, v in (compile_options or {}).items()))
-        return _cached_program(self.schedule, pp, self._n, num_stages // pp, not self._has_backward, options)
+        return _cached_program(self.schedule, pp, self._n, num_stages // pp, not self._has_backward, options,
+                               self._vocab is not None)
 
     def _set_program(self, prog: _C.Program) -> None:
         """Takes `prog` after checking that it fits the stages (any layout that validates,
@@ -325,9 +337,11 @@ class PipelineSchedule:
         build = functools.partial(
             StepData.build, self._n, train=train, has_first=any(s.is_first for s in self._stages),
             has_last=has_last, loss_fn=self._loss_fn, keep_outputs=return_outputs, loss_kwargs=loss_kwargs,
-            chunk_specs=self._chunk_specs, **inputs)
+            chunk_specs=self._chunk_specs, vocab=self._vocab, **inputs)
         loss_scale = 1.0 / self._n if self.scale_grads else 1.0
         step, outputs, mb_losses = self._runner.step(call, train, build, loss_scale, losses, self)
+        if train and self._vocab is not None:
+            self._vocab._sync_gradients()
         if not has_last:
             return None
         if losses is not None:
@@ -399,6 +413,26 @@ def _zbpipe_options(init):
              if p.name not in names and not p.name.startswith("_")]
     init.__signature__ = inspect.Signature(own + extra)
     return init
+
+
+def _check_output(output, loss_fn, stages):
+    """The vocabulary-parallel output given as output= (None: none): TypeError for another
+    object, ValueError beside a loss_fn or on another process group than the stages'."""
+    if output is None:
+        return None
+    from .vocab_parallel import VocabParallelOutput
+
+    if not isinstance(output, VocabParallelOutput):
+        raise TypeError(f"output= takes a zbpipe.VocabParallelOutput, got {type(output).__name__}")
+    if loss_fn is not None:
+        raise ValueError("output= (a VocabParallelOutput, which computes the loss) and loss_fn= both define the "
+                         "loss: give one")
+    group = stages[0].group
+    if output.group is not group and (output.group.size(), output.group.rank()) != (group.size(), group.rank()):
+        raise ValueError(f"the VocabParallelOutput is sharded over a group of {output.group.size()} ranks "
+                         f"(this rank {output.group.rank()}), the stages run on one of {group.size()} (this rank "
+                         f"{group.rank()}): build it with group= the pipeline's group")
+    return output
 
 
 class PipelineScheduleSingle(PipelineSchedule):

@@ -263,6 +263,8 @@ class PipelineStage:
         if not self.is_last:
             return _tree.flatten(out)[0], None, None
         kept = _detach(out) if step.keep_outputs else None
+        if step.vocab is not None:  # the output is the vocabulary-parallel head's input
+            return _tree.flatten(out)[0], None, kept
         if step.loss_fn is None:
             return [], None, kept
         with contextlib.nullcontext() if step.train else torch.no_grad():

@@ -47,7 +47,9 @@ void register_actions(py::module_& m) {
       .value("F", Kind::F).value("B", Kind::B).value("I", Kind::I).value("W", Kind::W)
       .value("SEND_F", Kind::SEND_F).value("RECV_F", Kind::RECV_F)
       .value("SEND_B", Kind::SEND_B).value("RECV_B", Kind::RECV_B)
-      .value("OVERLAP_F_B", Kind::OVERLAP_F_B);
+      .value("OVERLAP_F_B", Kind::OVERLAP_F_B)
+      .value("S", Kind::S).value("T", Kind::T).value("BCAST_F", Kind::BCAST_F)
+      .value("ALLREDUCE_S", Kind::ALLREDUCE_S).value("REDUCE_B", Kind::REDUCE_B);
 
   py::class_<Action>(m, "Action", "One schedule action; str() is PyTorch's canonical form.")
       .def_static("parse", &parse_action_arg, py::arg("text"), "The action of a canonical string (ScheduleError otherwise).")
@@ -111,7 +113,16 @@ void register_compile(py::module_& m) {
         py::arg("mem_f") = py::none(), py::arg("mem_w") = py::none(),
         py::arg("memory_cap") = py::none(), py::arg("exhaustive_search") = false,
         py::arg("search_threads") = py::none(), py::arg("refine") = py::none(),
-        "Builds, lowers and validates a schedule; options left at None are not given.");
+        py::arg("vocab_parallel") = false, py::arg("s") = py::none(), py::arg("t") = py::none(),
+        py::arg("collective") = py::none(), py::arg("mem_s") = py::none(), py::arg("backlog") = py::none(),
+        py::arg("lookahead") = py::none(),
+        "Builds, lowers and validates a schedule (vocab_parallel: with the vocabulary head's S and T "
+        "passes and collectives placed, vocab.h); options left at None are not given.");
+  m.def("insert_vocab", &insert_vocab_program, py::arg("program"), py::arg("f") = std::vector<double>{1.0},
+        py::arg("b") = std::vector<double>{1.0}, py::arg("w") = std::vector<double>{1.0}, py::arg("comm") = 0.0,
+        py::arg("s") = std::vector<double>{1.0}, py::arg("t") = std::vector<double>{1.0},
+        py::arg("collective") = 0.0, py::arg("mem_s") = std::vector<double>{}, py::arg("backlog") = 2,
+        "The vocabulary pass (vocab.h) on a lowered program without vocabulary actions, then validate.");
   m.def("size_limits", &size_limits,
         "The largest program zbpipe accepts (see csrc/include/zbpipe/limits.h); larger requests "
         "raise ScheduleError before allocating.");
@@ -149,6 +160,7 @@ void register_simulator(py::module_& m) {
       .def_readonly("peak_activations", &SimResult::peak_activations)
       .def_readonly("peak_memory", &SimResult::peak_memory)
       .def_readonly("timeline", &SimResult::timeline)
+      .def_readonly("collectives", &SimResult::collectives)
       .def("__repr__", &sim_result_repr);
   py::class_<SpanBound>(m, "SpanBound", "Lower bounds of every rank's span (span_bound.h).")
       .def_readonly("span", &SpanBound::span)
@@ -167,7 +179,10 @@ void register_simulator(py::module_& m) {
   m.def("simulate", &simulate_program, py::arg("program"), py::arg("f"), py::arg("b"), py::arg("w"),
         py::arg("b_full") = std::vector<double>{}, py::arg("comm") = 0.0,
         py::arg("mem_f") = std::vector<double>{1.0}, py::arg("mem_w") = std::vector<double>{},
-        "Runs the program under per-stage costs (zbpipe.simulate takes scalars too).");
+        py::arg("s") = std::vector<double>{1.0}, py::arg("t") = std::vector<double>{1.0},
+        py::arg("collective") = 0.0, py::arg("mem_s") = std::vector<double>{},
+        "Runs the program under per-stage costs (zbpipe.simulate takes scalars too); s, t, collective "
+        "and mem_s (per rank) cost its vocabulary actions.");
 }
 
 void register_executor_options(py::module_& m) {
@@ -212,8 +227,9 @@ void register_runtime(py::module_& m) {
       .def(py::init(&make_executor), py::arg("program"), py::arg("process_group"), py::arg("stages"),
            py::arg("device"), py::kw_only(), py::arg("options") = py::none(), py::arg("global_rank") = -1,
            py::arg("group_ranks") = std::vector<int>{}, py::arg("sync_groups") = py::dict(),
+           py::arg("vocab") = py::none(),
            "`stages`: global stage index -> PipelineStage; `options`: an ExecutorOptions (None: the "
-           "defaults), any of its fields also by name.")
+           "defaults), any of its fields also by name; `vocab`: the schedule's VocabParallelOutput, or None.")
       .def("run", &run_step, py::arg("step"), py::arg("first_inputs") = py::none(), py::arg("loss_scale") = 1.0,
            "Runs one step on `step` (handed to every stage call); returns (outputs, losses) of the "
            "last stage per microbatch on its rank, else ([], []). The GIL is released; stage calls "

@@ -99,6 +99,9 @@ class Lowering {
   Missing missing_input(const Action& a, int r) const {
     ZB_SCHEDULE_CHECK(is_compute(a.kind), "insert_send_recv expects compute-only input, got '",
                       to_string(a), "' on rank ", r);
+    ZB_SCHEDULE_CHECK(!is_vocab(a.kind), "insert_send_recv lowers programs without vocabulary actions, got '",
+                      to_string(a), "' on rank ", r, " (they are placed after lowering: insert_vocab, "
+                      "or compile(..., vocab_parallel=True))");
     Missing missing;
     for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
       ZB_SCHEDULE_CHECK(done_.in_range(s->stage, s->microbatch), "action '", to_string(*s),
