@@ -505,7 +505,7 @@ def _measure_head(model, units, head_index, mb_args, mb_kwargs, mb_target, pp, d
 
     head = model.get_submodule(units[head_index][0])
     rows = -(-head.out_features // pp)
-    body = _prune(copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())}), "",
+    body = prune(copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())}), "",
                   {n for k, g in enumerate(units) if k != head_index for n in g})
     with torch.no_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
         hidden = body(*mb_args, **mb_kwargs)
