@@ -215,3 +215,22 @@ def test_post_passes_beat_the_block_for_every_size(pp):
         assert res.makespan <= block.makespan + 1e-9 and res.bubble_rate <= block.bubble_rate + 1e-9
         if name == "v_half":
             assert res.bubble_rate < block.bubble_rate - 0.005, (pp, res.bubble_rate, block.bubble_rate)
+
+
+@pytest.mark.parametrize("name", ["v_half", "v_min"])
+def test_under_a_budget_zbv_fits_never_behind_zbv(name):
+    # ScheduleAuto and plan_partition plan v_half / v_min under a budget of zbv's own peak: on
+    # uneven measured costs the blocks' search alone landed up to 3.9% behind zbv (this seed's
+    # worst); with zbv's order among its seeds it never is.
+    rng = random.Random(0)
+    for _ in range(60):
+        pp, m = rng.choice([2, 3, 4]), rng.choice([4, 6, 8])
+        f = [rng.uniform(0.5, 3) for _ in range(2 * pp)]
+        mem = [rng.uniform(0.5, 3) for _ in range(2 * pp)]
+        model = dict(f=f, b=[x * rng.uniform(0.8, 1.5) for x in f], w=[x * rng.uniform(0.3, 1.2) for x in f],
+                     comm=0.05, mem_f=mem, mem_w=[x / 2 for x in mem])
+        zbv = zbpipe.simulate(zbpipe.compile("zbv", pp, m, 2), **model)
+        cap = max(zbv.peak_memory)
+        planned = zbpipe.simulate(zbpipe.compile(name, pp, m, 2, memory_cap=cap, **model), **model)
+        assert planned.makespan <= zbv.makespan * (1 + 1e-9), (pp, m, planned.makespan, zbv.makespan)
+        assert max(planned.peak_memory) <= cap * (1 + 1e-9)

@@ -522,7 +522,7 @@ def test_v_candidates_plan_under_the_budget_in_bytes(spawn_world):
     for name in ("v_half", "v_min"):
         predicted, peak, fits = cands[name]
         assert fits and all(p <= b * (1 + 1e-9) for p, b in zip(peak, budget)), (name, cands, budget)
-        # Competitive with zbv, not exactly never behind it: zbv is no seed of their searches,
-        # and the costs are this run's measured host times (once 0.6% behind, in CI).
-        assert predicted <= cands["zbv"][0] * 1.05, (name, cands)
+        # Never behind zbv, whatever this run's measured host times: under a budget zbv fits,
+        # zbv's order seeds their searches (v_blocks.cpp). Without it they were up to 1.45x zbv.
+        assert predicted <= cands["zbv"][0] * (1 + 1e-9), (name, cands)
 

@@ -8,6 +8,7 @@
 
 #include "list_scheduler.h"
 #include "v_post_passes.h"
+#include "zbpipe/builders.h"
 #include "zbpipe/cancel.h"
 #include "zbpipe/error.h"
 #include "zbpipe/refine.h"
@@ -126,6 +127,10 @@ Program build_v_from_blocks(const std::string& name, const BuildArgs& a,
   std::vector<Seed> seeds;
   seeds.push_back({std::move(reordered), Seed::Role::kPrimary, /*must_fit=*/even});
   seeds.push_back({std::move(laid_out), Seed::Role::kReference, /*must_fit=*/even});
+  // Under a cap of the caller's (ScheduleAuto and plan_partition budget zbv's own peak), ZB-V's
+  // order is a candidate too: on uneven measured costs the blocks' search can land above it,
+  // and a program planned under a budget zbv fits should never be behind zbv.
+  if (!paper_cap) seeds.push_back({build_zbv(a), Seed::Role::kCandidate, /*must_fit=*/false});
   Program best = search_list_schedules(
       shell, a.costs, a.memory, cap, PolicyGrid::standard(warmups, true),
       seeds, {a.exhaustive_search, a.search_threads});
