@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 #include <c10/core/GradMode.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 
 #include <thread>
 
@@ -18,11 +20,14 @@ void spend(double ms) {
   if (ms > 0) std::this_thread::sleep_for(std::chrono::duration<double, std::milli>(ms));
 }
 
-// Adds `g` to the .grad of parameter `p`, as autograd accumulates it.
+// Adds `g` to the .grad of parameter `p`, then runs its post-accumulate-grad hooks, as
+// autograd's AccumulateGrad does (once per microbatch: DDP-style reducers and FSDP's
+// mixed-precision move hook there). A Python hook takes the GIL itself.
 void accumulate(at::Tensor& p, at::Tensor g) {
   at::Tensor& grad = p.mutable_grad();
   if (grad.defined()) grad.add_(g);
   else grad = std::move(g);
+  if (auto& hook = torch::autograd::impl::post_acc_grad_hooks(p)) (*hook)(p);
 }
 }  // namespace
 
@@ -164,12 +169,12 @@ void VocabRun::t_pass(int mb, int64_t& wait_ns) {
   Slot& s = slot(mb);
   at::NoGradGuard no_grad;
   // G = g (alpha_r p_r - onehot): the softmax rows rescaled in place, the targets on this shard
-  // lowered by g.
+  // lowered by g (a scatter of 0 off the shard: no host sync, unlike selecting the rows).
   at::Tensor g = s.soft.mul_(s.scale.div(s.stats[rank_][1]).unsqueeze(1));  // e g alpha_r / s_r = g alpha_r p_r
   s.soft = at::Tensor();
-  const at::Tensor rows = ((s.target >= shard_.begin) & (s.target < shard_.end)).nonzero().squeeze(1);
-  if (rows.numel() > 0)
-    g.index_put_({rows, s.target.index_select(0, rows) - shard_.begin}, -s.grad.index_select(0, rows), true);
+  const at::Tensor in_shard = (s.target >= shard_.begin) & (s.target < shard_.end);
+  const at::Tensor local = (s.target - shard_.begin).clamp(0, shard_.end - shard_.begin - 1);
+  g.scatter_add_(1, local.unsqueeze(1), s.grad.mul(in_shard.to(at::kFloat)).neg_().unsqueeze(1));
   const at::Tensor gw = g.to(weight_.scalar_type());
   accumulate(weight_, at::matmul(gw.t(), s.hidden.to(weight_.scalar_type())));
   if (bias_.defined()) accumulate(bias_, g.sum(0).to(bias_.scalar_type()));

@@ -153,3 +153,27 @@ def test_inference_reports_the_losses_without_gradients():
         want = [F.cross_entropy(head(body(xc)).flatten(0, 1), yc.flatten()) for xc, yc in zip(x.chunk(2), y.chunk(2))]
     torch.testing.assert_close(torch.stack(losses), torch.stack(want), rtol=1e-5, atol=0)
     assert out.weight.grad is None and all(p.grad is None for p in body.parameters())
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_post_accumulate_grad_hooks_run_once_per_microbatch_on_the_shard(name):
+    # As autograd's AccumulateGrad runs them: after each T pass has added its microbatch's part
+    # to .grad (DDP-style reducers and FSDP's mixed-precision move hook there).
+    world = _C._LoopbackWorld(1)
+    program = zbpipe.compile(name, 1, 4)
+    torch.manual_seed(2)
+    mods = [nn.Sequential(nn.Embedding(V, D), nn.Tanh())] + [nn.Sequential(nn.Linear(D, D), nn.Tanh())
+                                                             for _ in range(program.num_stages - 1)]
+    stages = [zbpipe.PipelineStage(m, s, program.num_stages, "cpu", group=world.group(0)) for s, m in enumerate(mods)]
+    out = zbpipe.VocabParallelOutput(_head(), group=world.group(0))
+    seen = {"weight": [], "bias": []}
+    for pname in seen:
+        getattr(out, pname).register_post_accumulate_grad_hook(
+            lambda p, pname=pname: seen[pname].append(p.grad.clone()))
+    cls = zbpipe.get_schedule_class(name)
+    sched = cls(stages[0] if issubclass(cls, zbpipe.PipelineScheduleSingle) else stages, 4, output=out)
+    sched.step(torch.randint(V, (8, 5)), target=torch.randint(V, (8, 5)))
+    for pname, grads in seen.items():
+        assert len(grads) == 4, (pname, len(grads))
+        assert not torch.equal(grads[0], grads[-1])  # each saw the sum so far, the last the whole
+        torch.testing.assert_close(grads[-1], getattr(out, pname).grad, rtol=0, atol=0)
