@@ -18,6 +18,8 @@ COLORS = {
     "OVERLAP_F_B": "#e45756",
     "S": "#eeca3b",  # vocabulary parallelism: a shard's S pass
     "T": "#9d755d",  # and its T pass
+    "E": "#72b7b2",  # the embedding's lookup
+    "EW": "#b279a2",  # and its weight gradient
 }
 COMM_COLOR = "#555555"
 
@@ -70,15 +72,16 @@ def program_boxes(program: _C.Program, result: _C.SimResult, comm: float):
                 continue
             if dst != e.rank:
                 arrows.append(Arrow(e.rank, dst, e.end, e.end + comm))
-    root = rank_of[last]
     for e in result.collectives:
         kind = e.action.kind
+        # The head's collectives meet at the last stage's rank, the embedding's at stage 0's.
+        root = rank_of[0] if kind in (_C.Kind.REDUCE_E, _C.Kind.BCAST_E) else rank_of[last]
         if kind == _C.Kind.ALLREDUCE_S:
             boxes.append(Box(e.rank, "COMM", str(e.action.microbatch), e.start, e.end))
-        elif e.rank != root:  # BCAST_F: from the root to this rank; REDUCE_B: back to the root
+        elif e.rank != root:  # BCAST_*: from the root to this rank; REDUCE_*: to the root
             posted = next(c.start for c in result.collectives if c.rank == root and c.action.kind == kind
                           and c.action.microbatch == e.action.microbatch)
-            arrows.append(Arrow(root, e.rank, posted, e.end) if kind == _C.Kind.BCAST_F
+            arrows.append(Arrow(root, e.rank, posted, e.end) if kind in (_C.Kind.BCAST_F, _C.Kind.BCAST_E)
                           else Arrow(e.rank, root, e.start, e.end))
     return boxes, arrows
 
@@ -142,7 +145,10 @@ def load_trace(path: str, lane: int | None = None) -> list[Box]:
 
 def _vocab(action: _C.Action) -> bool:
     """A vocabulary action: its leading number is the rank's shard, not a stage."""
-    return action.kind in VOCAB_PASSES or action.kind in (_C.Kind.BCAST_F, _C.Kind.ALLREDUCE_S, _C.Kind.REDUCE_B)
+    return action.kind in VOCAB_PASSES or action.kind in _COLLECTIVES
+
+
+_COLLECTIVES = (_C.Kind.BCAST_F, _C.Kind.ALLREDUCE_S, _C.Kind.REDUCE_B, _C.Kind.REDUCE_E, _C.Kind.BCAST_E)
 
 
 def _lighter(color: str, amount: float = 0.45) -> tuple[float, float, float]:

@@ -48,6 +48,9 @@ def compile(
     mem_s: Cost | None = None,
     backlog: int | None = None,
     lookahead: int | None = None,
+    vocab_embedding: bool = False,
+    e: Cost | None = None,
+    ew: Cost | None = None,
 ) -> _C.Program:
     """Builds, lowers (SEND/RECV) and validates a schedule; raises ScheduleError on bad input.
 
@@ -78,6 +81,14 @@ def compile(
     ``lookahead`` (the forwards a rank may run ahead of the schedule's order where it would
     wait for the head, default 2; 0 keeps the order). Any of these without ``vocab_parallel``
     raises ScheduleError.
+
+    ``vocab_embedding=True`` (alone or with ``vocab_parallel``) splits the input embedding the
+    same way: every rank gets the E (lookup) and EW (weight gradient) passes of its shard of
+    the embedding for every microbatch (``1E0``, ``1EW0``) and the collectives between them
+    (``REDUCE_E`` onto stage 0's rank before its forward, ``BCAST_E`` of stage 0's input
+    gradient after its backward); ``e`` and ``ew`` (per rank or one value, default 0.1) cost
+    them, ``collective`` too, and EW is placed by a timed run under the stage costs. ``e`` or
+    ``ew`` without ``vocab_embedding`` raises ScheduleError.
     """
     def optional_int(name, value):
         return None if value is None else _door.integer("compile", name, value, bits=32)
@@ -105,6 +116,9 @@ def compile(
         mem_s=_given("mem_s", mem_s),
         backlog=optional_int("backlog", backlog),
         lookahead=optional_int("lookahead", lookahead),
+        vocab_embedding=bool(vocab_embedding),
+        e=_given("e", e),
+        ew=_given("ew", ew),
     )
 
 
@@ -127,6 +141,8 @@ def simulate(
     t: Cost = 1.0,
     collective: float = 0.0,
     mem_s: Cost | None = None,
+    e: Cost = 0.1,
+    ew: Cost = 0.1,
 ) -> _C.SimResult:
     """Simulates `program`: f forward, b backward-input, w backward-weight (per stage or one
     value); a full backward B costs b + w unless b_full is given; comm is the cross-rank latency.
@@ -141,7 +157,10 @@ def simulate(
     passes cost ``s`` and ``t`` (per rank or one value), each collective completes
     ``collective`` after its last rank posted it (``SimResult.collectives``: one event per
     rank's post, until the completion), a REDUCE_B waits for its ALLREDUCE_S, and an S holds
-    ``mem_s`` (per rank, in mem_f's units) until its T ends."""
+    ``mem_s`` (per rank, in mem_f's units) until its T ends. With the embedding split
+    (``vocab_embedding=True``) its E and EW passes cost ``e`` and ``ew`` (per rank or one
+    value), stage 0's F waits for its REDUCE_E and an EW for its BCAST_E; they hold no memory
+    in the model (the [tokens x width] buffers they pass are not counted)."""
     if not isinstance(program, _C.Program):
         raise _door.wrong_type("simulate", "program", "a zbpipe.Program", program)
     return _C.simulate(
@@ -157,6 +176,8 @@ def simulate(
         _door.costs("simulate", "t", t),
         _door.number("simulate", "collective", collective),
         _costs("simulate", "mem_s", mem_s),
+        _door.costs("simulate", "e", e),
+        _door.costs("simulate", "ew", ew),
     )
 
 

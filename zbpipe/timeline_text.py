@@ -1,6 +1,7 @@
 """Terminal pictures of a simulated program: the slot grid of ``zbpipe plan`` (ranks as rows,
 one column per time slot, like the papers' figures) and short labels shared with the plots.
-A vocabulary-parallel program's S and T passes show as "S3" / "T3"."""
+A vocabulary-parallel program's S and T passes show as "S3" / "T3", the embedding's E and EW
+passes as "E3" / "EW3"."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from . import _C
 
 
 # The vocabulary passes (docs/vocab_parallel.md): their leading number is the rank's shard.
-VOCAB_PASSES = (_C.Kind.S, _C.Kind.T)
+VOCAB_PASSES = (_C.Kind.S, _C.Kind.T, _C.Kind.E, _C.Kind.EW)
 
 
 def kind_letter(kind: _C.Kind) -> str:

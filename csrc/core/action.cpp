@@ -16,10 +16,12 @@ struct KindName {
 // "SEND_F" over "S" and "BCAST_F" over "B".
 constexpr KindName kKindNames[] = {
     {Kind::OVERLAP_F_B, "OVERLAP_F_B"}, {Kind::ALLREDUCE_S, "ALLREDUCE_S"}, {Kind::BCAST_F, "BCAST_F"},
+    {Kind::BCAST_E, "BCAST_E"},         {Kind::REDUCE_E, "REDUCE_E"},
     {Kind::REDUCE_B, "REDUCE_B"},       {Kind::SEND_F, "SEND_F"},           {Kind::RECV_F, "RECV_F"},
     {Kind::SEND_B, "SEND_B"},           {Kind::RECV_B, "RECV_B"},           {Kind::F, "F"},
     {Kind::B, "B"},                     {Kind::I, "I"},                     {Kind::W, "W"},
-    {Kind::S, "S"},                     {Kind::T, "T"},
+    {Kind::S, "S"},                     {Kind::T, "T"},                     {Kind::EW, "EW"},
+    {Kind::E, "E"},
 };
 static_assert(sizeof(kKindNames) / sizeof(kKindNames[0]) == kNumKinds,
               "every Kind needs a name here, and Kind::kLast must name the last kind");
@@ -59,14 +61,18 @@ bool is_compute(Kind k) {
     case Kind::W:
     case Kind::OVERLAP_F_B:
     case Kind::S:
-    case Kind::T: return true;
+    case Kind::T:
+    case Kind::E:
+    case Kind::EW: return true;
     case Kind::SEND_F:
     case Kind::RECV_F:
     case Kind::SEND_B:
     case Kind::RECV_B:
     case Kind::BCAST_F:
     case Kind::ALLREDUCE_S:
-    case Kind::REDUCE_B: return false;
+    case Kind::REDUCE_B:
+    case Kind::REDUCE_E:
+    case Kind::BCAST_E: return false;
   }
   return false;
 }
@@ -83,9 +89,13 @@ bool is_comm(Kind k) {
     case Kind::OVERLAP_F_B:
     case Kind::S:
     case Kind::T:
+    case Kind::E:
+    case Kind::EW:
     case Kind::BCAST_F:
     case Kind::ALLREDUCE_S:
-    case Kind::REDUCE_B: return false;
+    case Kind::REDUCE_B:
+    case Kind::REDUCE_E:
+    case Kind::BCAST_E: return false;
   }
   return false;
 }
@@ -94,7 +104,9 @@ bool is_collective(Kind k) {
   switch (k) {
     case Kind::BCAST_F:
     case Kind::ALLREDUCE_S:
-    case Kind::REDUCE_B: return true;
+    case Kind::REDUCE_B:
+    case Kind::REDUCE_E:
+    case Kind::BCAST_E: return true;
     case Kind::F:
     case Kind::B:
     case Kind::I:
@@ -105,11 +117,14 @@ bool is_collective(Kind k) {
     case Kind::RECV_B:
     case Kind::OVERLAP_F_B:
     case Kind::S:
-    case Kind::T: return false;
+    case Kind::T:
+    case Kind::E:
+    case Kind::EW: return false;
   }
   return false;
 }
-bool is_vocab(Kind k) { return k == Kind::S || k == Kind::T || is_collective(k); }
+bool is_vocab(Kind k) { return k == Kind::S || k == Kind::T || is_collective(k) || is_embedding(k); }
+bool is_embedding(Kind k) { return k == Kind::E || k == Kind::EW || k == Kind::REDUCE_E || k == Kind::BCAST_E; }
 
 Action Action::overlap(std::vector<Action> parts) {
   Action a;

@@ -41,8 +41,10 @@ Program build(const std::string& schedule, const BuildArgs& args) {
 
 Program compile(const std::string& schedule, const BuildArgs& args) {
   check_options(find_schedule(schedule), args);
-  if (!args.vocab_parallel) return lower(build(schedule, args));
-  Program with_vocab = place_vocab(build(schedule, args), args.costs, args.vocab, args.memory);
+  if (!args.vocab_parallel && !args.vocab_embedding) return lower(build(schedule, args));
+  Program with_vocab = args.vocab_parallel ? place_vocab(build(schedule, args), args.costs, args.vocab, args.memory)
+                                           : lower(build(schedule, args));
+  if (args.vocab_embedding) with_vocab = insert_embedding(with_vocab, args.costs, args.vocab, args.memory);
   validate(with_vocab);
   return with_vocab;
 }

@@ -38,7 +38,11 @@ double MemoryModel::freed_at_end(const Action& part) const {
     case Kind::T:
     case Kind::BCAST_F:
     case Kind::ALLREDUCE_S:
-    case Kind::REDUCE_B: return 0.0;
+    case Kind::REDUCE_B:
+    case Kind::E:
+    case Kind::EW:
+    case Kind::REDUCE_E:
+    case Kind::BCAST_E: return 0.0;
   }
   return 0.0;
 }

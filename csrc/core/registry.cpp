@@ -72,12 +72,18 @@ void check_options(const ScheduleInfo& info, const BuildArgs& a) {
     for (const auto& name : kBuildOptions) valid += (valid.empty() ? "" : ", ") + name;
     ZB_SCHEDULE_CHECK(has(kBuildOptions, option), "unknown compile option '", option,
                       "' (valid: ", valid, ")");
-    if (has(info.options, option) || option == "vocab_parallel") continue;
+    if (has(info.options, option) || option == "vocab_parallel" || option == "vocab_embedding") continue;
+    if (option == "collective" && a.vocab_embedding) continue;  // the embedding's collectives' latency too
     if (has(kVocabOptions, option)) {
       ZB_SCHEDULE_CHECK(a.vocab_parallel, "option '", option, "' is the vocabulary head's: it needs vocab_parallel=True");
       continue;
     }
-    if (a.vocab_parallel && has(kVocabPlacementCosts, option)) continue;  // they time the placement
+    if (has(kEmbeddingOptions, option)) {
+      ZB_SCHEDULE_CHECK(a.vocab_embedding, "option '", option, "' is the vocabulary-parallel embedding's: it needs "
+                        "vocab_embedding=True");
+      continue;
+    }
+    if ((a.vocab_parallel || a.vocab_embedding) && has(kVocabPlacementCosts, option)) continue;  // they time the placement
     std::string takers;
     for (const auto& other : schedule_registry())
       if (has(other.options, option)) takers += (takers.empty() ? "" : ", ") + other.name;

@@ -25,7 +25,7 @@ namespace {
 class CollectiveClock {
  public:
   CollectiveClock(int pp, int microbatches, double latency)
-      : pp_(pp), latency_(latency), count_(static_cast<size_t>(microbatches) * 3, 0),
+      : pp_(pp), latency_(latency), count_(static_cast<size_t>(microbatches) * detail::kCollectiveKinds, 0),
         latest_(count_.size(), 0.0), complete_(count_.size(), kUnset) {}
   void post(Kind k, int mb, double at) {
     const size_t i = index(k, mb);
@@ -36,7 +36,7 @@ class CollectiveClock {
 
  private:
   static size_t index(Kind k, int mb) {
-    return static_cast<size_t>(mb) * 3 + (k == Kind::BCAST_F ? 0 : k == Kind::ALLREDUCE_S ? 1 : 2);
+    return static_cast<size_t>(mb) * detail::kCollectiveKinds + detail::collective_slot(k);
   }
   int pp_;
   double latency_;
@@ -54,7 +54,8 @@ SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& 
                    const VocabModel& vocab, bool with_timeline) {
   costs.check(p.num_stages, p.microbatches, p.pp);
   memory.check(p.num_stages);
-  const bool vocabulary = has_vocab(p);
+  const VocabParts parts = vocab_parts(p);
+  const bool vocabulary = parts.head || parts.embedding;
   if (vocabulary) vocab.check(p.pp);
   bool has_t = false;
   for (const auto& acts : p.ranks)
@@ -113,16 +114,18 @@ SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& 
         double ready = 0.0, duration = 0.0;
         for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
           double t = is_vocab(s->kind) ? 0.0 : input_time(*s);
-          const Kind awaited = vocabulary ? detail::awaited_collective(p, *s) : Kind::F;
+          const Kind awaited = vocabulary ? detail::awaited_collective(parts, p, *s) : Kind::F;
           if (t != kUnset && awaited != Kind::F) {
             const double c = collectives.complete(awaited, s->microbatch);
             t = c == kUnset ? kUnset : std::max(t, c);
           }
           if (t == kUnset) { ready = kUnset; break; }
           ready = std::max(ready, t);
-          duration += s->kind == Kind::S   ? vocab.s_time(r)
-                      : s->kind == Kind::T ? vocab.t_time(r)
-                                           : table.of(*s).duration;
+          duration += s->kind == Kind::S    ? vocab.s_time(r)
+                      : s->kind == Kind::T  ? vocab.t_time(r)
+                      : s->kind == Kind::E  ? vocab.e_time(r)
+                      : s->kind == Kind::EW ? vocab.ew_time(r)
+                                            : table.of(*s).duration;
         }
         if (ready == kUnset) break;
         const double start = std::max(clock[r], ready), finish = start + duration;

@@ -1,4 +1,4 @@
-// VocabModel: the vocabulary head's per-rank costs and memory (see vocab.h).
+// VocabModel: the vocabulary head's and embedding's per-rank costs and memory (see vocab.h).
 #include <cmath>
 
 #include "zbpipe/error.h"
@@ -22,11 +22,15 @@ void check_vec(const char* name, const std::vector<double>& v, int pp, bool may_
 double VocabModel::s_time(int rank) const { return pick(s, rank); }
 double VocabModel::t_time(int rank) const { return pick(t, rank); }
 double VocabModel::memory(int rank) const { return mem_s.empty() ? 0.0 : pick(mem_s, rank); }
+double VocabModel::e_time(int rank) const { return pick(e, rank); }
+double VocabModel::ew_time(int rank) const { return pick(ew, rank); }
 
 void VocabModel::check(int pp) const {
   check_vec("s", s, pp, false);
   check_vec("t", t, pp, false);
   check_vec("mem_s", mem_s, pp, true);
+  check_vec("e", e, pp, false);
+  check_vec("ew", ew, pp, false);
   ZB_SCHEDULE_CHECK(std::isfinite(collective) && collective >= 0.0,
                     "vocabulary 'collective' must be finite and non-negative, got ", collective);
   ZB_SCHEDULE_CHECK(backlog >= 1, "vocabulary 'backlog' must be >= 1, got ", backlog);
@@ -38,6 +42,17 @@ bool has_vocab(const Program& p) {
     for (const Action& a : acts)
       if (is_vocab(a.kind)) return true;
   return false;
+}
+
+VocabParts vocab_parts(const Program& p) {
+  VocabParts parts;
+  for (const auto& acts : p.ranks)
+    for (const Action& a : acts) {
+      if (!is_vocab(a.kind)) continue;
+      if (is_embedding(a.kind)) parts.embedding = true;
+      else parts.head = true;
+    }
+  return parts;
 }
 
 }  // namespace zbpipe

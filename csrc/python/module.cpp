@@ -49,7 +49,8 @@ void register_actions(py::module_& m) {
       .value("SEND_B", Kind::SEND_B).value("RECV_B", Kind::RECV_B)
       .value("OVERLAP_F_B", Kind::OVERLAP_F_B)
       .value("S", Kind::S).value("T", Kind::T).value("BCAST_F", Kind::BCAST_F)
-      .value("ALLREDUCE_S", Kind::ALLREDUCE_S).value("REDUCE_B", Kind::REDUCE_B);
+      .value("ALLREDUCE_S", Kind::ALLREDUCE_S).value("REDUCE_B", Kind::REDUCE_B).value("E", Kind::E)
+      .value("EW", Kind::EW).value("REDUCE_E", Kind::REDUCE_E).value("BCAST_E", Kind::BCAST_E);
 
   py::class_<Action>(m, "Action", "One schedule action; str() is PyTorch's canonical form.")
       .def_static("parse", &parse_action_arg, py::arg("text"), "The action of a canonical string (ScheduleError otherwise).")
@@ -115,9 +116,16 @@ void register_compile(py::module_& m) {
         py::arg("search_threads") = py::none(), py::arg("refine") = py::none(),
         py::arg("vocab_parallel") = false, py::arg("s") = py::none(), py::arg("t") = py::none(),
         py::arg("collective") = py::none(), py::arg("mem_s") = py::none(), py::arg("backlog") = py::none(),
-        py::arg("lookahead") = py::none(),
+        py::arg("lookahead") = py::none(), py::arg("vocab_embedding") = false, py::arg("e") = py::none(),
+        py::arg("ew") = py::none(),
         "Builds, lowers and validates a schedule (vocab_parallel: with the vocabulary head's S and T "
-        "passes and collectives placed, vocab.h); options left at None are not given.");
+        "passes and collectives placed; vocab_embedding: with the input embedding's E and EW passes "
+        "and collectives, vocab.h); options left at None are not given.");
+  m.def("insert_embedding", &insert_embedding_program, py::arg("program"), py::arg("f") = std::vector<double>{1.0},
+        py::arg("b") = std::vector<double>{1.0}, py::arg("w") = std::vector<double>{1.0}, py::arg("comm") = 0.0,
+        py::arg("e") = std::vector<double>{0.1}, py::arg("ew") = std::vector<double>{0.1},
+        py::arg("collective") = 0.0,
+        "The embedding pass (vocab.h) on a lowered program without embedding actions, then validate.");
   m.def("insert_vocab", &insert_vocab_program, py::arg("program"), py::arg("f") = std::vector<double>{1.0},
         py::arg("b") = std::vector<double>{1.0}, py::arg("w") = std::vector<double>{1.0}, py::arg("comm") = 0.0,
         py::arg("s") = std::vector<double>{1.0}, py::arg("t") = std::vector<double>{1.0},
@@ -181,8 +189,9 @@ void register_simulator(py::module_& m) {
         py::arg("mem_f") = std::vector<double>{1.0}, py::arg("mem_w") = std::vector<double>{},
         py::arg("s") = std::vector<double>{1.0}, py::arg("t") = std::vector<double>{1.0},
         py::arg("collective") = 0.0, py::arg("mem_s") = std::vector<double>{},
-        "Runs the program under per-stage costs (zbpipe.simulate takes scalars too); s, t, collective "
-        "and mem_s (per rank) cost its vocabulary actions.");
+        py::arg("e") = std::vector<double>{0.1}, py::arg("ew") = std::vector<double>{0.1},
+        "Runs the program under per-stage costs (zbpipe.simulate takes scalars too); s, t, collective, "
+        "mem_s, e and ew (per rank) cost its vocabulary actions.");
 }
 
 void register_executor_options(py::module_& m) {

@@ -73,7 +73,8 @@ Program compile_program(const std::string& name, int64_t pp, int64_t microbatche
                         std::optional<bool> refine, bool vocab_parallel,
                         std::optional<std::vector<double>> s, std::optional<std::vector<double>> t,
                         std::optional<double> collective, std::optional<std::vector<double>> mem_s,
-                        std::optional<int> backlog, std::optional<int> lookahead) {
+                        std::optional<int> backlog, std::optional<int> lookahead, bool vocab_embedding,
+                        std::optional<std::vector<double>> e, std::optional<std::vector<double>> ew) {
   BuildArgs args = build_args(name, pp, microbatches, stages_per_rank);
   auto take = [&](const char* option, auto& from, auto& to) {
     if (!from) return;
@@ -104,6 +105,12 @@ Program compile_program(const std::string& name, int64_t pp, int64_t microbatche
   take("mem_s", mem_s, args.vocab.mem_s);
   take("backlog", backlog, args.vocab.backlog);
   take("lookahead", lookahead, args.vocab.lookahead);
+  if (vocab_embedding) {
+    args.vocab_embedding = true;
+    args.given.emplace_back("vocab_embedding");
+  }
+  take("e", e, args.vocab.e);
+  take("ew", ew, args.vocab.ew);
   return interruptible([&] { return compile(name, args); });
 }
 
@@ -128,10 +135,13 @@ VocabModel make_vocab(std::vector<double> s, std::vector<double> t, double colle
 SimResult simulate_program(const Program& p, std::vector<double> f, std::vector<double> b,
                            std::vector<double> w, std::vector<double> b_full, double comm,
                            std::vector<double> mem_f, std::vector<double> mem_w, std::vector<double> s,
-                           std::vector<double> t, double collective, std::vector<double> mem_s) {
+                           std::vector<double> t, double collective, std::vector<double> mem_s,
+                           std::vector<double> e, std::vector<double> ew) {
   const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm);
   const MemoryModel memory = make_memory(std::move(mem_f), std::move(mem_w));
-  const VocabModel vocab = make_vocab(std::move(s), std::move(t), collective, std::move(mem_s));
+  VocabModel vocab = make_vocab(std::move(s), std::move(t), collective, std::move(mem_s));
+  vocab.e = std::move(e);
+  vocab.ew = std::move(ew);
   return interruptible([&] { return simulate(p, costs, memory, vocab); });
 }
 
@@ -142,6 +152,20 @@ Program insert_vocab_program(const Program& lowered, std::vector<double> f, std:
   const VocabModel vocab = make_vocab(std::move(s), std::move(t), collective, std::move(mem_s), backlog);
   return interruptible([&] {
     Program out = insert_vocab(lowered, costs, vocab);
+    validate(out);
+    return out;
+  });
+}
+
+Program insert_embedding_program(const Program& lowered, std::vector<double> f, std::vector<double> b,
+                                 std::vector<double> w, double comm, std::vector<double> e,
+                                 std::vector<double> ew, double collective) {
+  const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), {}, comm);
+  VocabModel vocab = make_vocab({1.0}, {1.0}, collective, {});
+  vocab.e = std::move(e);
+  vocab.ew = std::move(ew);
+  return interruptible([&] {
+    Program out = insert_embedding(lowered, costs, vocab);
     validate(out);
     return out;
   });

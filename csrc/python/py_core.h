@@ -36,17 +36,24 @@ Program compile_program(const std::string& name, int64_t pp, int64_t microbatche
                         std::optional<std::vector<double>> t = std::nullopt,
                         std::optional<double> collective = std::nullopt,
                         std::optional<std::vector<double>> mem_s = std::nullopt,
-                        std::optional<int> backlog = std::nullopt, std::optional<int> lookahead = std::nullopt);
+                        std::optional<int> backlog = std::nullopt, std::optional<int> lookahead = std::nullopt,
+                        bool vocab_embedding = false, std::optional<std::vector<double>> e = std::nullopt,
+                        std::optional<std::vector<double>> ew = std::nullopt);
 // Only the builder: the compute-only program, neither lowered nor validated.
 Program build_program(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank);
 // Costs as CostModel's lists; mem_w empty: mem_w = mem_f (memory_model.h).
 // s, t, collective, mem_s: the vocabulary head's (vocab.h; used where the program has
-// vocabulary actions), mem_s empty: none.
+// vocabulary actions), mem_s empty: none; e, ew: the vocabulary-parallel embedding's.
 SimResult simulate_program(const Program& p, std::vector<double> f, std::vector<double> b,
                            std::vector<double> w, std::vector<double> b_full, double comm,
                            std::vector<double> mem_f, std::vector<double> mem_w,
                            std::vector<double> s = {1.0}, std::vector<double> t = {1.0},
-                           double collective = 0.0, std::vector<double> mem_s = {});
+                           double collective = 0.0, std::vector<double> mem_s = {},
+                           std::vector<double> e = {0.1}, std::vector<double> ew = {0.1});
+// insert_embedding (vocab.h) on a lowered program, placed under these costs; then validated.
+Program insert_embedding_program(const Program& lowered, std::vector<double> f, std::vector<double> b,
+                                 std::vector<double> w, double comm, std::vector<double> e,
+                                 std::vector<double> ew, double collective);
 // insert_vocab (vocab.h) on a lowered program, placed under these costs; then validated.
 Program insert_vocab_program(const Program& lowered, std::vector<double> f, std::vector<double> b,
                              std::vector<double> w, double comm, std::vector<double> s, std::vector<double> t,

@@ -324,6 +324,10 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
     case Kind::REDUCE_B:
       vocab_->post_reduce(e.mb, rec.wait_ns);
       return;
+    case Kind::E:
+    case Kind::EW:
+    case Kind::REDUCE_E:
+    case Kind::BCAST_E:
     case Kind::OVERLAP_F_B:
       break;
   }

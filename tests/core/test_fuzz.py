@@ -27,7 +27,7 @@ FUZZ = settings(max_examples=_DEEP or 100, deadline=None, derandomize=not _DEEP,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 KINDS = ["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "S", "T", "BCAST_F", "ALLREDUCE_S",
-         "REDUCE_B"]
+         "REDUCE_B", "E", "EW", "REDUCE_E", "BCAST_E"]
 
 # ---- inputs ---------------------------------------------------------------------------------
 

@@ -145,8 +145,9 @@ def check(prog, forward_only: bool = False) -> None:
 
 # ---- vocabulary parallelism (docs/vocab_parallel.md) ------------------------------------------
 
-_VOCAB = re.compile(r"^(\d+)(S|T|BCAST_F|ALLREDUCE_S|REDUCE_B)(\d+)$")
-COLLECTIVES = ("BCAST_F", "ALLREDUCE_S", "REDUCE_B")
+_VOCAB = re.compile(r"^(\d+)(S|T|BCAST_F|ALLREDUCE_S|REDUCE_B|EW|E|REDUCE_E|BCAST_E)(\d+)$")
+COLLECTIVES = ("BCAST_F", "ALLREDUCE_S", "REDUCE_B", "REDUCE_E", "BCAST_E")
+_EMBEDDING = ("E", "EW", "REDUCE_E", "BCAST_E")
 
 
 def check_vocab_program(ranks: list[list[str]], stage_to_rank: list[int], microbatches: int,
@@ -156,12 +157,22 @@ def check_vocab_program(ranks: list[list[str]], stage_to_rank: list[int], microb
     of every microbatch, once each; one order of collectives on every rank; and a blocking run
     where a collective completes once every rank posted it, S waits for BCAST_F, T and REDUCE_B
     for ALLREDUCE_S, the root's BCAST_F follows the last stage's F and the last stage's backward
-    waits for REDUCE_B."""
+    waits for REDUCE_B. With the input embedding split (any E action): E, REDUCE_E (and,
+    training, BCAST_E and EW) on every rank, REDUCE_E after the rank's E, stage 0's F waits
+    for REDUCE_E, the embedding root's BCAST_E follows stage 0's backward, EW waits for
+    BCAST_E."""
     pp, last = len(ranks), len(stage_to_rank) - 1
-    root = stage_to_rank[last]
+    root, root0 = stage_to_rank[last], stage_to_rank[0]
     base = [[a for a in row if not _VOCAB.match(a)] for row in ranks]
     check_program(base, stage_to_rank, microbatches, forward_only)
-    kinds = ("S", "BCAST_F", "ALLREDUCE_S") if forward_only else ("S", "T", *COLLECTIVES)
+    present = {m.group(2) for row in ranks for m in map(_VOCAB.match, row) if m}
+    head = bool(present - set(_EMBEDDING))
+    embedding = bool(present & set(_EMBEDDING))
+    kinds = ()
+    if head:
+        kinds += ("S", "BCAST_F", "ALLREDUCE_S") if forward_only else ("S", "T", "BCAST_F", "ALLREDUCE_S", "REDUCE_B")
+    if embedding:
+        kinds += ("E", "REDUCE_E") if forward_only else _EMBEDDING
     orders = []
     for r, row in enumerate(ranks):
         mine = [(int(m.group(1)), m.group(2), int(m.group(3))) for m in map(_VOCAB.match, row) if m]
@@ -187,12 +198,16 @@ def check_vocab_program(ranks: list[list[str]], stage_to_rank: list[int], microb
                 m = _VOCAB.match(text)
                 if m:
                     kind, mb = m.group(2), int(m.group(3))
-                    wait = {"S": "BCAST_F", "T": "ALLREDUCE_S", "REDUCE_B": "ALLREDUCE_S"}.get(kind)
+                    wait = {"S": "BCAST_F", "T": "ALLREDUCE_S", "REDUCE_B": "ALLREDUCE_S", "EW": "BCAST_E"}.get(kind)
                     if wait and posted[(wait, mb)] < pp:
                         break
                     if kind == "ALLREDUCE_S" and (r, "S", mb) not in done:
                         break
+                    if kind == "REDUCE_E" and (r, "E", mb) not in done:
+                        break
                     if kind == "BCAST_F" and r == root and (last, "F", mb) not in done:
+                        break
+                    if kind == "BCAST_E" and r == root0 and not ((0, "B", mb) in done or (0, "I", mb) in done):
                         break
                     if kind in COLLECTIVES:
                         posted[(kind, mb)] += 1
@@ -201,8 +216,10 @@ def check_vocab_program(ranks: list[list[str]], stage_to_rank: list[int], microb
                     parts = parse(text)
                     ok = all(any(opt in done for opt in req)
                              for p in parts for req in _needs(p, stage_to_rank.__getitem__, last))
-                    if ok and not forward_only:
+                    if ok and head and not forward_only:
                         ok = all(posted[("REDUCE_B", mb)] == pp for s, k, mb in parts if s == last and k in ("B", "I"))
+                    if ok and embedding:
+                        ok = all(posted[("REDUCE_E", mb)] == pp for s, k, mb in parts if s == 0 and k == "F")
                     if not ok:
                         break
                     done.update(parts)

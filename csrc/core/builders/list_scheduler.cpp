@@ -654,6 +654,10 @@ class ListScheduler {
       case Kind::BCAST_F:
       case Kind::ALLREDUCE_S:
       case Kind::REDUCE_B:
+      case Kind::E:
+      case Kind::EW:
+      case Kind::REDUCE_E:
+      case Kind::BCAST_E:
         ZB_CHECK(false, "list scheduler chose '", kind_name(ch.kind), "'");
     }
     order_[r].emplace_back(ch.stage, ch.kind, ch.mb);

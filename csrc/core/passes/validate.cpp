@@ -210,8 +210,8 @@ void check_message_order(const Program& p) {
 // Whether `a` may run in a blocking-receive run once the actions marked in `done` have: a RECV
 // waits for its SEND, a compute for its inputs, and with vocabulary actions (vocab.h) what
 // awaits a collective for every rank's post of it (`posts`).
-bool can_run(const Program& p, const ActionTable<uint8_t>& done, const detail::CollectivePosts* posts,
-             const Action& a) {
+bool can_run(const Program& p, const VocabParts& parts, const ActionTable<uint8_t>& done,
+             const detail::CollectivePosts* posts, const Action& a) {
   if (a.kind == Kind::RECV_F || a.kind == Kind::RECV_B) {
     const Action send = matching_send(a);
     return done.at(send.stage, send.kind, send.microbatch) != 0;
@@ -220,7 +220,7 @@ bool can_run(const Program& p, const ActionTable<uint8_t>& done, const detail::C
     for (const Producer& d : producers_of(*s, p.num_stages))
       if (!done.met(d, s->microbatch)) return false;
     if (!posts) continue;
-    const Kind awaited = detail::awaited_collective(p, *s);
+    const Kind awaited = detail::awaited_collective(parts, p, *s);
     if (awaited != Kind::F && !posts->complete(awaited, s->microbatch)) return false;
   }
   return true;
@@ -262,11 +262,12 @@ void check_blocking_run(const Program& p) {
   std::vector<size_t> next(p.pp, 0);
   RankQueue queue(p.pp);
   std::optional<detail::CollectivePosts> posts;
-  if (has_vocab(p)) posts.emplace(p.pp, p.microbatches);
+  const VocabParts parts = vocab_parts(p);
+  if (parts.head || parts.embedding) posts.emplace(p.pp, p.microbatches);
   while (!queue.empty()) {
     const int r = queue.pop();
     const auto& acts = p.ranks[r];
-    while (next[r] < acts.size() && can_run(p, done, posts ? &*posts : nullptr, acts[next[r]])) {
+    while (next[r] < acts.size() && can_run(p, parts, done, posts ? &*posts : nullptr, acts[next[r]])) {
       poll_cancel();
       const Action& a = acts[next[r]];
       if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B) queue.wake(p.rank_of(comm_peer_stage(a)));

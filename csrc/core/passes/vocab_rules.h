@@ -12,30 +12,46 @@
 
 namespace zbpipe::detail {
 
+// The collective kinds, numbered for per-(kind, microbatch) tables.
+inline constexpr size_t kCollectiveKinds = 5;
+inline size_t collective_slot(Kind k) {
+  switch (k) {
+    case Kind::BCAST_F: return 0;
+    case Kind::ALLREDUCE_S: return 1;
+    case Kind::REDUCE_B: return 2;
+    case Kind::REDUCE_E: return 3;
+    default: return 4;  // BCAST_E
+  }
+}
+
 // Posts of every collective (kind, microbatch) during a run: complete once every rank posted.
 class CollectivePosts {
  public:
-  CollectivePosts(int pp, int microbatches) : pp_(pp), count_(static_cast<size_t>(microbatches) * 3, 0) {}
+  CollectivePosts(int pp, int microbatches)
+      : pp_(pp), count_(static_cast<size_t>(microbatches) * kCollectiveKinds, 0) {}
   // One rank's post; returns whether it completed the collective.
   bool post(Kind k, int mb) { return ++count_[index(k, mb)] == pp_; }
   bool complete(Kind k, int mb) const { return count_[index(k, mb)] == pp_; }
 
  private:
-  static size_t index(Kind k, int mb) {
-    return static_cast<size_t>(mb) * 3 + (k == Kind::BCAST_F ? 0 : k == Kind::ALLREDUCE_S ? 1 : 2);
-  }
+  static size_t index(Kind k, int mb) { return static_cast<size_t>(mb) * kCollectiveKinds + collective_slot(k); }
   int pp_;
   std::vector<int> count_;
 };
 
 // What the vocabulary rule adds to a run's readiness: the collective an S (BCAST_F), a T or a
-// REDUCE_B (ALLREDUCE_S) or the last stage's backward (REDUCE_B) waits for; Kind::F when none.
-inline Kind awaited_collective(const Program& p, const Action& part) {
+// REDUCE_B (ALLREDUCE_S), the last stage's backward (REDUCE_B, with the head), an EW (BCAST_E)
+// or stage 0's F (REDUCE_E, with the embedding) waits for; Kind::F when none.
+inline Kind awaited_collective(const VocabParts& parts, const Program& p, const Action& part) {
   switch (part.kind) {
     case Kind::S: return Kind::BCAST_F;
     case Kind::T:
     case Kind::REDUCE_B: return Kind::ALLREDUCE_S;
-    default: return needs_vocab_grad(p, part) ? Kind::REDUCE_B : Kind::F;
+    case Kind::EW: return Kind::BCAST_E;
+    default:
+      if (parts.head && needs_vocab_grad(p, part)) return Kind::REDUCE_B;
+      if (parts.embedding && needs_embedding(part)) return Kind::REDUCE_E;
+      return Kind::F;
   }
 }
 

@@ -25,7 +25,13 @@ enum class Kind : uint8_t {
   BCAST_F,      // collective: the last stage's output broadcast to every rank
   ALLREDUCE_S,  // collective: every shard's softmax statistics to every rank
   REDUCE_B,     // collective: the input gradient summed onto the last stage's rank
-  kLast = REDUCE_B,  // the closed list ends here: a new kind goes before, and kLast follows
+  // The input embedding split the same way (vocab.h): stage 0 takes the sum of every shard's
+  // lookups, and every shard its rows' gradient from stage 0's input gradient.
+  E,            // the shard's lookup of the tokens in its rows (zeros elsewhere)
+  EW,           // the shard's weight gradient (a weight-gradient-only pass, as W)
+  REDUCE_E,     // collective: every shard's lookup summed onto stage 0's rank
+  BCAST_E,      // collective: stage 0's input gradient broadcast to every rank
+  kLast = BCAST_E,  // the closed list ends here: a new kind goes before, and kLast follows
 };
 // Tables indexed by kind are sized from the enum (action.cpp checks the name table against it).
 inline constexpr int kNumKinds = static_cast<int>(Kind::kLast) + 1;
@@ -33,11 +39,12 @@ inline constexpr int kNumKinds = static_cast<int>(Kind::kLast) + 1;
 const char* kind_name(Kind kind);
 // Each kind is exactly one of these; both are written out kind by kind (no default), so a new
 // kind does not compile (-Werror=switch) until it is classified.
-bool is_compute(Kind kind);  // F, B, I, W, OVERLAP_F_B, S, T
+bool is_compute(Kind kind);  // F, B, I, W, OVERLAP_F_B, S, T, E, EW
 bool is_comm(Kind kind);     // SEND_*, RECV_* (point to point; not the collectives)
 bool is_backward(Kind kind); // B or I: the action that consumes the output gradient
-bool is_collective(Kind kind);  // BCAST_F, ALLREDUCE_S, REDUCE_B
-bool is_vocab(Kind kind);       // S, T and the collectives
+bool is_collective(Kind kind);  // BCAST_F, ALLREDUCE_S, REDUCE_B, REDUCE_E, BCAST_E
+bool is_vocab(Kind kind);       // S, T, E, EW and the collectives
+bool is_embedding(Kind kind);   // E, EW, REDUCE_E, BCAST_E: the input embedding's
 
 // A value: {stage, kind, microbatch}; OVERLAP_F_B carries its sub-actions instead
 // (its own stage and microbatch are -1, as in PyTorch).
@@ -57,7 +64,7 @@ struct Action {
   bool operator!=(const Action& o) const { return !(*this == o); }
 };
 
-// Canonical strings: "2F0", "1I3", "3SEND_F1", "(1F1;2B0)OVERLAP_F_B", "1S0", "0BCAST_F2".
+// Canonical strings: "2F0", "1I3", "3SEND_F1", "(1F1;2B0)OVERLAP_F_B", "1S0", "0BCAST_F2", "2E1", "0REDUCE_E3".
 std::string to_string(const Action& a);
 void append_string(std::string& out, const Action& a);
 // Exact inverse of to_string; throws ScheduleError on anything else.

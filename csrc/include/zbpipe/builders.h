@@ -36,6 +36,9 @@ struct BuildArgs {
   // Vocabulary parallelism (vocab.h): compile() places the S and T passes and their
   // collectives (insert_vocab) under `costs` and `vocab`.
   bool vocab_parallel = false;
+  // The input embedding split the same way (vocab.h): compile() places its E and EW passes and
+  // their collectives (insert_embedding) after the head's, under `costs` and `vocab`.
+  bool vocab_embedding = false;
   VocabModel vocab{};
   // The options among kBuildOptions the caller set. compile() refuses one the schedule does not
   // consult (ScheduleError naming the schedules that take it) instead of ignoring it.
@@ -54,11 +57,14 @@ int search_thread_count(int requested);
 inline const std::vector<std::string> kBuildOptions = {
     "f",     "b",          "w",         "b_full",        "comm", "mem_f",
     "mem_w", "memory_cap", "exhaustive_search", "search_threads", "refine",
-    "vocab_parallel", "s", "t", "collective", "mem_s", "backlog", "lookahead"};
+    "vocab_parallel", "s", "t", "collective", "mem_s", "backlog", "lookahead",
+    "vocab_embedding", "e", "ew"};
 // With vocab_parallel every schedule takes these: the vocabulary head's own (VocabModel) and
 // the stage costs its placement is timed with.
 inline const std::vector<std::string> kVocabOptions = {"s", "t", "collective", "mem_s", "backlog", "lookahead"};
 inline const std::vector<std::string> kVocabPlacementCosts = {"f", "b", "w", "b_full", "comm"};
+// With vocab_embedding every schedule takes these (and `collective`, and the placement costs).
+inline const std::vector<std::string> kEmbeddingOptions = {"e", "ew"};
 
 using Builder = std::function<Program(const BuildArgs&)>;
 

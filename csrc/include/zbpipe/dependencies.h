@@ -60,6 +60,10 @@ inline Producers producers_of(const Action& part, int num_stages) {
     case Kind::BCAST_F:
     case Kind::ALLREDUCE_S:
     case Kind::REDUCE_B:
+    case Kind::E:
+    case Kind::EW:
+    case Kind::REDUCE_E:
+    case Kind::BCAST_E:
       break;
   }
   return p;
@@ -82,7 +86,11 @@ inline int32_t data_consumer(const Action& part, int num_stages) {
     case Kind::T:
     case Kind::BCAST_F:
     case Kind::ALLREDUCE_S:
-    case Kind::REDUCE_B: return -1;
+    case Kind::REDUCE_B:
+    case Kind::E:
+    case Kind::EW:
+    case Kind::REDUCE_E:
+    case Kind::BCAST_E: return -1;
   }
   return -1;
 }
@@ -103,7 +111,11 @@ inline int32_t comm_peer_stage(const Action& comm) {
     case Kind::T:
     case Kind::BCAST_F:
     case Kind::ALLREDUCE_S:
-    case Kind::REDUCE_B: return -1;
+    case Kind::REDUCE_B:
+    case Kind::E:
+    case Kind::EW:
+    case Kind::REDUCE_E:
+    case Kind::BCAST_E: return -1;
   }
   return -1;
 }

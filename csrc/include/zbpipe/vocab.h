@@ -23,6 +23,19 @@
 //   REDUCE_B m posted on every rank.
 // A collective completes once every rank has posted it, and every rank posts the collectives in
 // the same order (a process group matches collectives by their order).
+//
+// The input embedding, split the same way (the paper's input layer; optional, alone or with the
+// head): rank r holds shard r of the embedding's rows; the embedding root is stage 0's rank.
+// Per microbatch m:
+//   E m            every rank: its shard's lookup of m's tokens (zeros off its rows)
+//   REDUCE_E m     every rank: the lookups summed onto the embedding root: stage 0's input
+//   BCAST_E m      every rank: stage 0's input gradient broadcast from the embedding root
+//   EW m           every rank: its rows' weight gradient (weight-gradient-only: it fills idle
+//                  time as W does)
+// A forward-only program has E and REDUCE_E only. The rule: REDUCE_E m comes after E m on its
+// rank; F of stage 0 for m needs REDUCE_E m posted on every rank; on the embedding root, the
+// backward (B or I) of stage 0 for m runs before its BCAST_E m; EW m needs BCAST_E m posted on
+// every rank. The embedding's collectives share the head's one order.
 #pragma once
 
 #include <cstdint>
@@ -43,6 +56,9 @@ struct VocabModel {
   // Memory an S holds until its T (its shard's softmax and the head's input), in the memory
   // model's units (memory_model.h); empty: none.
   std::vector<double> mem_s{};
+  // The input embedding's E and EW pass times (per rank; by default a tenth of a forward).
+  std::vector<double> e{0.1};
+  std::vector<double> ew{0.1};
   // Placement only: the most microbatches a rank holds between their S and their T.
   int backlog = 2;
   // Placement only (reorder_for_vocab): the forwards a rank may run ahead of its schedule's
@@ -53,6 +69,8 @@ struct VocabModel {
   double s_time(int rank) const;
   double t_time(int rank) const;
   double memory(int rank) const;
+  double e_time(int rank) const;
+  double ew_time(int rank) const;
   // Checks sizes (1 or pp values), finite non-negative values, backlog >= 1 and lookahead >= 0;
   // ScheduleError.
   void check(int pp) const;
@@ -76,8 +94,20 @@ struct VocabPolicy {
   int lag = 0;
 };
 
-// Whether the program has vocabulary actions.
+// Whether the program has vocabulary actions (the head's or the embedding's).
 bool has_vocab(const Program& p);
+// Which of the two a program has: the head (S, T, BCAST_F, ALLREDUCE_S, REDUCE_B) and the
+// input embedding (E, EW, REDUCE_E, BCAST_E).
+struct VocabParts {
+  bool head = false, embedding = false;
+};
+VocabParts vocab_parts(const Program& p);
+// The rank of stage 0: the embedding's reduction's destination and its broadcast's source.
+inline int embedding_root(const Program& p) { return p.rank_of(0); }
+// Whether compute part `part` takes the embedding's reduced output: an F of stage 0.
+inline bool needs_embedding(const Action& part) { return part.kind == Kind::F && part.stage == 0; }
+// Whether compute part `part` gives the embedding its gradient: a backward of stage 0.
+inline bool feeds_embedding(const Action& part) { return is_backward(part.kind) && part.stage == 0; }
 // The rank of the last stage: the broadcast's source and the reduction's destination.
 inline int vocab_root(const Program& p) { return p.rank_of(p.num_stages - 1); }
 // Whether compute part `part` starts from the vocabulary head's gradient: the backward (B or I)
@@ -114,5 +144,22 @@ Program reorder_for_vocab(const Program& compute_only, const CostModel& costs, c
 // validated.
 Program place_vocab(const Program& compute_only, const CostModel& costs, const VocabModel& vocab,
                     const MemoryModel& memory = {});
+
+// compile(..., vocab_embedding=True)'s pass: a lowered program (with or without the head's
+// vocabulary actions, training or forward-only) without embedding actions gains every rank's E,
+// REDUCE_E and, training, BCAST_E and EW, by a run of the program under `costs`, `memory` and
+// `vocab`: REDUCE_E m is due when the root starts its F of stage 0 for m - 2 (the first two at
+// the start: the reduction overlaps two forwards), BCAST_E m when the root's backward of stage
+// 0 for m ends; they join the head's collectives in one order by that time. Each rank posts each
+// one when it is due, or earlier where a later collective or a RECV comes first (a post never
+// blocks; behind a blocking RECV it could wait on what waits for it), E right before its
+// REDUCE_E; the root's BCAST_E follows its backward (the head's posts after it in the order wait
+// with it). Each EW m then goes before the rank's first compute that a second run starts after
+// BCAST_E m completed; where that program does not validate (the simulator passes a RECV at
+// once, a blocking run waits), every EW stays at its rank's end. Throws ScheduleError for a
+// program that already has embedding actions, a compute-only one, or one without a stage on
+// every rank.
+Program insert_embedding(const Program& lowered, const CostModel& costs, const VocabModel& vocab,
+                         const MemoryModel& memory = {});
 
 }  // namespace zbpipe
