@@ -48,6 +48,7 @@ from .schedules import (  # noqa: E402
 from .schedule_auto import ScheduleAuto  # noqa: E402
 from .stage import PipelineStage  # noqa: E402
 from .stage_costs import profile_from_trace  # noqa: E402
+from .vocab_embedding import VocabParallelEmbedding  # noqa: E402
 from .vocab_parallel import VocabParallelOutput  # noqa: E402
 
 __all__ = [
@@ -80,6 +81,7 @@ __all__ = [
     "ScheduleZBVZeroBubble",
     "SimResult",
     "SpanBound",
+    "VocabParallelEmbedding",
     "VocabParallelOutput",
     "SplitPoint",
     "build_stage",

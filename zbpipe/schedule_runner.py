@@ -63,14 +63,18 @@ class ExecutorRunner:
         measure_memory: measure every training step's memory deltas (memory_profile).
         vocab: the schedule's VocabParallelOutput (output=), handed to executors of programs
             with vocabulary actions.
+        embedding: the schedule's VocabParallelEmbedding (input_embedding=), handed to
+            executors of programs with embedding actions.
 
     bind_program gives it the schedule's program (dropping the executors of the one before);
     each step() runs the training program, or for a forward-only step its forwards.
     """
 
-    def __init__(self, stages: list, options: _C.ExecutorOptions, measure_memory: bool = False, vocab=None):
+    def __init__(self, stages: list, options: _C.ExecutorOptions, measure_memory: bool = False, vocab=None,
+                 embedding=None):
         self._stages = stages
         self._vocab = vocab  # the VocabParallelOutput, for programs with vocabulary actions
+        self._embedding = embedding  # the VocabParallelEmbedding, for programs with embedding actions
         self._group = stages[0].group
         self._world = _world_ranks(self._group)
         self.options = options
@@ -115,6 +119,8 @@ class ExecutorRunner:
             self._eval_program = _C.lower(_C.strip_backward(self._program.compute_only()))
             if self._vocab is not None:  # and the head's forward half, for the losses
                 self._eval_program = _C.insert_vocab(self._eval_program)
+            if self._embedding is not None:  # and the embedding's lookups, stage 0's input
+                self._eval_program = _C.insert_embedding(self._eval_program)
         return self._eval_program
 
     def _syncs_now(self) -> list[bool]:
@@ -174,7 +180,8 @@ class ExecutorRunner:
                 program, self._group, {s.stage_index: s for s in self._stages}, self._stages[0].device,
                 options=self.options, global_rank=self._world[0], group_ranks=self._world[1],
                 sync_groups=sync_groups,
-                vocab=self._vocab if any(a.kind == _C.Kind.S for a in program.action_values(0)) else None)
+                vocab=self._vocab if any(a.kind == _C.Kind.S for a in program.action_values(0)) else None,
+                embedding=self._embedding if any(a.kind == _C.Kind.E for a in program.action_values(0)) else None)
         except Exception as e:  # tell the peers, whatever the device: they would wait for this rank
             what = f"{type(e).__name__}: {e}"
             _C.Executor.report_setup_failure(self._group, _flat(self._sync_groups(train)), self._world[0], what)

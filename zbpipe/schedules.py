@@ -30,17 +30,20 @@ from .step_data import StepData
 
 @functools.lru_cache(maxsize=256)
 def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int, forward_only: bool,
-                    options: tuple = (), vocab_parallel: bool = False):
+                    options: tuple = (), vocab_parallel: bool = False, vocab_embedding: bool = False):
     """Compiled (lowered, validated) program, cached per schedule, microbatch count and compile
     options (costs and memory cap for cost-driven schedules such as zb_auto); vocab_parallel:
-    with the vocabulary head's passes (output=)."""
+    with the vocabulary head's passes (output=); vocab_embedding: with the input embedding's
+    (input_embedding=)."""
     if not forward_only:
         kw = dict(options)  # compile_options may say vocab_parallel too (PartitionPlan.compile_options)
         kw["vocab_parallel"] = vocab_parallel or bool(kw.get("vocab_parallel"))
+        kw["vocab_embedding"] = vocab_embedding or bool(kw.get("vocab_embedding"))
         return _compile(name, pp, microbatches, stages_per_rank or None, **kw)
     # Forward only: the schedule's forwards, in its order and topology, lowered and validated.
     prog = _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
-    return _C.insert_vocab(prog) if vocab_parallel else prog
+    prog = _C.insert_vocab(prog) if vocab_parallel else prog
+    return _C.insert_embedding(prog) if vocab_embedding else prog
 
 
 
@@ -127,6 +130,11 @@ class PipelineSchedule:
             vocabulary rows over every rank, its passes and collectives placed in the program
             (compile(..., vocab_parallel=True)); the last stage returns the head's input, and
             every rank gives target= (docs/vocab_parallel.md). ValueError with loss_fn too.
+        input_embedding: a zbpipe.VocabParallelEmbedding: the input embedding split by
+            vocabulary rows over every rank, its passes and collectives placed in the program
+            (compile(..., vocab_embedding=True)); stage 0's module takes the embedding's output
+            in place of the token ids, and every rank gives the token ids as step()'s first
+            positional argument (docs/vocab_parallel.md). With or without output=.
         scale_grads: gradients of the mean microbatch loss (as one full-batch mean loss; False:
             of their sum, for a loss_fn that already divides, as torchtitan's). The scaling is
             applied to each microbatch loss before its backward, so gradients accumulated from
@@ -192,6 +200,7 @@ class PipelineSchedule:
         compile_options: dict | None = None,
         measure_memory: bool = False,
         output=None,
+        input_embedding=None,
         _program: _C.Program | None = None,
         **options,
     ):
@@ -213,11 +222,12 @@ class PipelineSchedule:
         self._n = n_microbatches
         self._loss_fn = loss_fn
         self._vocab = _check_output(output, loss_fn, self._stages)
+        self._embedding = _check_input_embedding(input_embedding, self._stages)
         self._has_backward = (loss_fn is not None or output is not None) and not self.forward_only
         self.scale_grads = scale_grads
         self._backward_requires_autograd = backward_requires_autograd
         self._runner = ExecutorRunner(self._stages, executor_options.build(options, type(self).__name__),
-                                      measure_memory, vocab=self._vocab)
+                                      measure_memory, vocab=self._vocab, embedding=self._embedding)
         if _program is not None:
             self._set_program(_program)
         elif not self._loads_program:
@@ -233,7 +243,7 @@ class PipelineSchedule:
         options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                for k, v in (compile_options or {}).items()))
         return _cached_program(self.schedule, pp, self._n, num_stages // pp, not self._has_backward, options,
-                               self._vocab is not None)
+                               self._vocab is not None, self._embedding is not None)
 
     def _set_program(self, prog: _C.Program) -> None:
         """Takes `prog` after checking that it fits the stages (any layout that validates,
@@ -337,11 +347,13 @@ class PipelineSchedule:
         build = functools.partial(
             StepData.build, self._n, train=train, has_first=any(s.is_first for s in self._stages),
             has_last=has_last, loss_fn=self._loss_fn, keep_outputs=return_outputs, loss_kwargs=loss_kwargs,
-            chunk_specs=self._chunk_specs, vocab=self._vocab, **inputs)
+            chunk_specs=self._chunk_specs, vocab=self._vocab, embedding=self._embedding, **inputs)
         loss_scale = 1.0 / self._n if self.scale_grads else 1.0
         step, outputs, mb_losses = self._runner.step(call, train, build, loss_scale, losses, self)
         if train and self._vocab is not None:
             self._vocab._sync_gradients()
+        if train and self._embedding is not None:
+            self._embedding._sync_gradients()
         if not has_last:
             return None
         if losses is not None:
@@ -433,6 +445,23 @@ def _check_output(output, loss_fn, stages):
                          f"(this rank {output.group.rank()}), the stages run on one of {group.size()} (this rank "
                          f"{group.rank()}): build it with group= the pipeline's group")
     return output
+
+
+def _check_input_embedding(embedding, stages):
+    """The vocabulary-parallel embedding given as input_embedding= (None: none): TypeError for
+    another object, ValueError on another process group than the stages'."""
+    if embedding is None:
+        return None
+    from .vocab_embedding import VocabParallelEmbedding
+
+    if not isinstance(embedding, VocabParallelEmbedding):
+        raise TypeError(f"input_embedding= takes a zbpipe.VocabParallelEmbedding, got {type(embedding).__name__}")
+    group = stages[0].group
+    if embedding.group is not group and (embedding.group.size(), embedding.group.rank()) != (group.size(), group.rank()):
+        raise ValueError(f"the VocabParallelEmbedding is sharded over a group of {embedding.group.size()} ranks "
+                         f"(this rank {embedding.group.rank()}), the stages run on one of {group.size()} (this "
+                         f"rank {group.rank()}): build it with group= the pipeline's group")
+    return embedding
 
 
 class PipelineScheduleSingle(PipelineSchedule):

@@ -26,7 +26,7 @@ from .checkpointing import recompute_ahead, recompute_once
 from .data_parallel import adapter_for
 from .deferred_linear import DeferredLinearHook
 from .devices import placement
-from .step_data import StepData, input_signature  # noqa: F401 - input_signature: also imported from here
+from .step_data import StepData, embedding_spec, input_signature  # noqa: F401 - input_signature: also imported from here
 
 # What a module raises where fake tensors cannot run it (no fake kernel, a data-dependent value,
 # a conversion that needs data): shape inference then runs it for real. Any other exception is
@@ -194,7 +194,7 @@ class PipelineStage:
     def _call(self, step: StepData, mb: int, inputs: list[torch.Tensor]):
         kwargs = step.microbatch_kwargs(mb)
         if self.is_first:
-            return self._invoke(self.submod, tuple(step.args[mb]), kwargs)
+            return self._invoke(self.submod, _first_args(step, mb, inputs), kwargs)
         args, named = _tree.as_call_args(_tree.unflatten(inputs, self._in_parsed))
         return self._invoke(self.submod, tuple(args), {**named, **kwargs})
 
@@ -333,6 +333,8 @@ class PipelineStage:
         """Handshake: output signature for the given input signature (see StageHandle)."""
         if self.is_first:
             got = _tree.specs_of([a for a in step.args[0] if isinstance(a, torch.Tensor)])
+            if step.embedding is not None:  # the embedding's output in the token ids' place
+                got[0] = embedding_spec(step)
             where = "its microbatch arguments"
         else:
             got = [(tuple(s), d) for s, d in specs]
@@ -383,7 +385,7 @@ class PipelineStage:
         kwargs = {k: fake(v) for k, v in step.microbatch_kwargs(0).items()}
         with mode:
             if self.is_first:
-                args, named = tuple(fake(a) for a in step.args[0]), {}
+                args, named = tuple(fake(a) for a in _first_args(step, 0, _embedding_zeros(step, self.device))), {}
             else:
                 tensors = [torch.empty(s, dtype=d, device=self.device) for s, d in specs]
                 args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_parsed))
@@ -398,7 +400,7 @@ class PipelineStage:
     def _real_run(self, module, step: StepData, specs):
         kwargs = step.microbatch_kwargs(0)
         if self.is_first:
-            return self._invoke(module, tuple(step.args[0]), kwargs)
+            return self._invoke(module, _first_args(step, 0, _embedding_zeros(step, self.device)), kwargs)
         tensors = [torch.zeros(s, dtype=d, device=self.device) for s, d in specs]
         args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_parsed))
         return self._invoke(module, tuple(args), {**named, **kwargs})
@@ -420,6 +422,24 @@ class PipelineStage:
 #   generator at the point one process's first forward would.
 # Dtypes: fake tensors carry the stage's device, so autocast (entered around step() or inside
 # the module) casts them as it casts the real forward's tensors.
+
+
+def _first_args(step: StepData, mb: int, inputs) -> tuple:
+    """Stage 0's positional arguments of microbatch `mb`: the step's, where a vocabulary-parallel
+    embedding puts its output (the executor's one input, or a stand-in for the handshake) in
+    the token ids' place."""
+    if step.embedding is None:
+        return tuple(step.args[mb])
+    first = inputs[0] if isinstance(inputs, (list, tuple)) else inputs
+    return (first, *step.args[mb][1:])
+
+
+def _embedding_zeros(step: StepData, device) -> torch.Tensor | None:
+    """Zeros shaped as the embedding's output of microbatch 0, for the handshake's run."""
+    if step.embedding is None:
+        return None
+    shape, dtype = embedding_spec(step)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def _forked_rng(device: torch.device):

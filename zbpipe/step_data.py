@@ -40,6 +40,11 @@ class StepData:
     # The vocabulary-parallel output (zbpipe.VocabParallelOutput) in place of loss_fn: targets
     # then live on every rank (each shard needs them).
     vocab: Any = None
+    # The vocabulary-parallel input embedding (zbpipe.VocabParallelEmbedding): the token ids of
+    # each microbatch (the first positional argument) live on every rank (each shard looks them
+    # up); stage 0 takes the embedding's output in their place.
+    embedding: Any = None
+    embedding_ids: list | None = None
 
     def microbatch_kwargs(self, mb: int) -> dict:
         return self.kwargs[mb] if self.kwargs else {}
@@ -49,7 +54,7 @@ class StepData:
               args: tuple = (), kwargs: dict | None = None, target: Any = None, arg_mbs: list | None = None,
               kwarg_mbs: list | None = None, target_mbs: list | None = None, keep_outputs: bool = True,
               loss_kwargs: dict | None = None, chunk_specs: microbatch.ChunkSpecs | None = None,
-              vocab: Any = None) -> StepData:
+              vocab: Any = None, embedding: Any = None) -> StepData:
         """The step's StepData for a rank holding the first stage (has_first) and/or the last
         (has_last): positional arguments where the first stage lives, targets (and the loss)
         where the last does, keyword arguments everywhere; split here into n microbatches from
@@ -61,7 +66,9 @@ class StepData:
         TypeError or ValueError as microbatch.presplit for a pre-split list of the wrong type
         or count.
         With `vocab` (a VocabParallelOutput) every rank takes the targets, checked by
-        vocab.check_targets (ValueError for a token outside the vocabulary)."""
+        vocab.check_targets (ValueError for a token outside the vocabulary).
+        With `embedding` (a VocabParallelEmbedding) every rank takes the positional arguments,
+        the first being the token ids, checked by embedding.check_ids."""
         kwargs = kwargs or {}
         specs = chunk_specs or microbatch.ChunkSpecs()
         step = cls(train=train, keep_outputs=keep_outputs, loss_kwargs=loss_kwargs or {})
@@ -72,13 +79,22 @@ class StepData:
                     "zbpipe: pre-split arg_mbs / kwarg_mbs / target_mbs cannot be mixed with "
                     f"whole-batch inputs (got {len(args)} positional argument(s), keyword "
                     f"argument(s) {sorted(kwargs)}, target {'given' if target is not None else 'None'})")
-            targets = step._take_presplit(n, has_first, arg_mbs, kwarg_mbs, target_mbs)
+            targets = step._take_presplit(n, has_first or embedding is not None, arg_mbs, kwarg_mbs, target_mbs)
         else:
-            if has_first:
+            if has_first or embedding is not None:
                 step.args = specs.split_args(tuple(args), n)
             if kwargs:
                 step.kwargs = specs.split_kwargs(dict(kwargs), n)
             targets = target  # the whole batch's; split below where the loss runs
+        if embedding is not None:
+            if not step.args or any(not a for a in step.args):
+                raise ValueError("zbpipe: a schedule with input_embedding= (VocabParallelEmbedding) needs the token "
+                                 "ids as the first positional argument of step()/eval() (or of each arg_mbs "
+                                 "entry) on every rank: each rank's shard of the embedding looks them up")
+            step.embedding_ids = embedding.check_ids([a[0] for a in step.args])
+            step.embedding = embedding
+            if not has_first:
+                step.args = None
         if vocab is not None:
             if targets is None:
                 raise ValueError("zbpipe: a schedule with output= (VocabParallelOutput) needs target= (or "
@@ -113,7 +129,17 @@ def input_signature(step: StepData, device_type: str = "cpu") -> tuple[list, str
     or leaving it, or changing its dtype, negotiates anew, as a change of shape does)."""
     tensors: list[torch.Tensor] = []
     layout = _tree.tensor_layout((step.args[0], step.microbatch_kwargs(0)), tensors)
-    return _tree.specs_of(tensors), layout + autocast_state(device_type)
+    specs = _tree.specs_of(tensors)
+    if step.embedding is not None:  # stage 0 takes the embedding's output in the ids' place
+        specs[0] = embedding_spec(step)
+    return specs, layout + autocast_state(device_type)
+
+
+def embedding_spec(step: StepData) -> tuple:
+    """(shape, dtype) of stage 0's first input under a vocabulary-parallel embedding: the
+    token ids' shape plus the embedding width, in the embedding's dtype."""
+    ids = step.embedding_ids[0]
+    return (*ids.shape, step.embedding.embedding_dim), step.embedding.weight.dtype
 
 
 def autocast_state(device_type: str) -> str:

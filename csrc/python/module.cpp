@@ -236,9 +236,10 @@ void register_runtime(py::module_& m) {
       .def(py::init(&make_executor), py::arg("program"), py::arg("process_group"), py::arg("stages"),
            py::arg("device"), py::kw_only(), py::arg("options") = py::none(), py::arg("global_rank") = -1,
            py::arg("group_ranks") = std::vector<int>{}, py::arg("sync_groups") = py::dict(),
-           py::arg("vocab") = py::none(),
+           py::arg("vocab") = py::none(), py::arg("embedding") = py::none(),
            "`stages`: global stage index -> PipelineStage; `options`: an ExecutorOptions (None: the "
-           "defaults), any of its fields also by name; `vocab`: the schedule's VocabParallelOutput, or None.")
+           "defaults), any of its fields also by name; `vocab`: the schedule's VocabParallelOutput, or None; "
+           "`embedding`: its VocabParallelEmbedding, or None.")
       .def("run", &run_step, py::arg("step"), py::arg("first_inputs") = py::none(), py::arg("loss_scale") = 1.0,
            "Runs one step on `step` (handed to every stage call); returns (outputs, losses) of the "
            "last stage per microbatch on its rank, else ([], []). The GIL is released; stage calls "

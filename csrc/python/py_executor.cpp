@@ -5,6 +5,7 @@
 #include <map>
 
 #include "python/py_stage.h"
+#include "python/py_embed.h"
 #include "python/py_vocab.h"
 #include "python/step_interrupt.h"
 #include "runtime/replica_barrier.h"
@@ -117,7 +118,7 @@ std::unique_ptr<runtime::Executor> make_executor(
     const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
     const py::dict& stages, const at::Device& device, const std::optional<PyExecutorOptions>& options,
     int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups, const py::object& vocab,
-    const py::kwargs& fields) {
+    const py::object& embedding, const py::kwargs& fields) {
   std::map<int, std::shared_ptr<runtime::StageHandle>> handles;
   for (auto [index, stage] : stages)
     handles[index.cast<int>()] = std::make_shared<PyStage>(py::reinterpret_borrow<py::object>(stage));
@@ -127,6 +128,7 @@ std::unique_ptr<runtime::Executor> make_executor(
   executor_options.group_ranks = std::move(group_ranks);
   executor_options.sync_groups = sync_groups_from_py(sync_groups);
   if (!vocab.is_none()) executor_options.vocab = std::make_shared<PyVocab>(vocab);
+  if (!embedding.is_none()) executor_options.embedding = std::make_shared<PyEmbed>(embedding);
   return std::make_unique<runtime::Executor>(
       program, std::make_unique<runtime::P2P>(process_group, device, chosen.p2p), std::move(handles),
       std::move(executor_options));

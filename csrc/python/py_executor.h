@@ -73,15 +73,16 @@ class ExecutorOptionsClass {
 };
 
 // Executor(program, process_group, stages, device, *, options=None, global_rank, group_ranks,
-// sync_groups, vocab=None, **fields): `stages` maps global stage index -> zbpipe.PipelineStage
+// sync_groups, vocab=None, embedding=None, **fields): `stages` maps global stage index -> zbpipe.PipelineStage
 // (each wrapped in a PyStage); `options` an ExecutorOptions (None: the defaults), `fields` any
 // of its fields by name on top of it; `sync_groups` maps a stage index to the list of its
-// data-parallel process groups; `vocab` the schedule's zbpipe.VocabParallelOutput (a PyVocab).
+// data-parallel process groups; `vocab` the schedule's zbpipe.VocabParallelOutput (a PyVocab);
+// `embedding` its zbpipe.VocabParallelEmbedding (a PyEmbed).
 std::unique_ptr<runtime::Executor> make_executor(
     const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
     const py::dict& stages, const at::Device& device, const std::optional<PyExecutorOptions>& options,
     int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups, const py::object& vocab,
-    const py::kwargs& fields);
+    const py::object& embedding, const py::kwargs& fields);
 
 // Executor.run(step, first_inputs, loss_scale): runs one step on `step` (the Python step data
 // every stage call receives) with the GIL released; `first_inputs` is the (specs, structure)

@@ -27,7 +27,7 @@ namespace {
 class Builder {
  public:
   Builder(const Program& p, int rank, bool overlap_f_b)
-      : p_(p), rank_(rank), overlap_f_b_(overlap_f_b), vocab_(has_vocab(p)), acts_(p.ranks.at(rank)),
+      : p_(p), rank_(rank), overlap_f_b_(overlap_f_b), vocab_(vocab_parts(p).head), embedding_(vocab_parts(p).embedding), acts_(p.ranks.at(rank)),
         batches_(comm_batches(acts_, overlap_f_b)), local_of_(p.num_stages, -1) {
     table_.stages = p.stages_of(rank);
     for (size_t i = 0; i < table_.stages.size(); ++i) local_of_[table_.stages[i]] = static_cast<int>(i);
@@ -106,6 +106,10 @@ class Builder {
     if (vocab_) {
       e.to_vocab = part.kind == Kind::F && part.stage == p_.num_stages - 1;
       e.needs_vocab_grad = needs_vocab_grad(p_, part);
+    }
+    if (embedding_) {
+      e.from_embedding = needs_embedding(part);
+      e.to_embedding = feeds_embedding(part);
     }
     e.label = to_string(part);
     if (acts_[index].kind == Kind::OVERLAP_F_B) e.unit = to_string(acts_[index]);
@@ -192,7 +196,8 @@ class Builder {
   const Program& p_;
   const int rank_;
   const bool overlap_f_b_;
-  const bool vocab_;  // the program has vocabulary actions
+  const bool vocab_;      // the program has the vocabulary head's actions
+  const bool embedding_;  // the program has the vocabulary-parallel embedding's actions
   const std::vector<Action>& acts_;
   const std::vector<CommBatch> batches_;
   size_t next_batch_ = 0;

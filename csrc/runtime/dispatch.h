@@ -35,6 +35,10 @@ struct Entry {
   // action itself has `stage` = its shard (this rank) and `local` = -1.
   bool to_vocab = false;
   bool needs_vocab_grad = false;
+  // The vocabulary-parallel embedding (vocab.h): an F of stage 0 that takes the reduced
+  // lookups as its input, a backward of stage 0 whose input gradient BCAST_E sends.
+  bool from_embedding = false;
+  bool to_embedding = false;
   std::string label;        // the trace's name: the part, or a batch's actions joined by '+'
   std::string unit;         // a part of an OVERLAP_F_B: that unit's action string, else ""
 

@@ -58,9 +58,18 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
   ZB_SCHEDULE_CHECK(program_.has_comms() || program_.pp == 1,
                     "the executor runs lowered programs (with SEND/RECV); got a compute-only one");
   check_placement(program_, rank(), stages);
-  ZB_SCHEDULE_CHECK(has_vocab(program_) == (options_.vocab != nullptr), "the program '", program_.schedule,
+  const VocabParts parts = vocab_parts(program_);
+  ZB_SCHEDULE_CHECK(parts.head == (options_.vocab != nullptr), "the program '", program_.schedule,
                     options_.vocab ? "' has no vocabulary actions but a vocabulary-parallel output was given"
                                    : "' has vocabulary actions but no vocabulary-parallel output was given");
+  ZB_SCHEDULE_CHECK(parts.embedding == (options_.embedding != nullptr), "the program '", program_.schedule,
+                    options_.embedding ? "' has no embedding actions but a vocabulary-parallel embedding was given"
+                                       : "' has embedding actions but no vocabulary-parallel embedding was given");
+  if (options_.embedding) {
+    ZB_SCHEDULE_CHECK(!p2p_->stream_ordered(), "the vocabulary-parallel embedding runs on backends whose messages "
+                      "complete on the host (Gloo) so far; this group (", p2p_->backend_name(), ") is stream-ordered");
+    embed_ = std::make_unique<EmbedRun>(*p2p_, options_.embedding, program_);
+  }
   if (options_.vocab) {
     ZB_SCHEDULE_CHECK(!p2p_->stream_ordered(), "vocabulary parallelism runs on backends whose messages complete "
                       "on the host (Gloo) so far; this group (", p2p_->backend_name(), ") is stream-ordered");
@@ -181,6 +190,7 @@ void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
         if (st.stage == program_.num_stages - 1) hidden = &st.shapes.sigs.outputs.specs;
       vocab_->begin(*step_.data, loss_scale, options_.timeout, hidden);
     }
+    if (embed_) embed_->begin(*step_.data, options_.timeout);
   });
   step_.loss_scale = loss_scale;
   timer_->start_step();
@@ -325,9 +335,17 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
       vocab_->post_reduce(e.mb, rec.wait_ns);
       return;
     case Kind::E:
+      embed_->e_pass(e.mb);
+      return;
     case Kind::EW:
+      embed_->ew_pass(e.mb, rec.wait_ns);
+      return;
     case Kind::REDUCE_E:
+      embed_->post_reduce(e.mb);
+      return;
     case Kind::BCAST_E:
+      embed_->post_broadcast(e.mb);
+      return;
     case Kind::OVERLAP_F_B:
       break;
   }
@@ -343,12 +361,16 @@ void Executor::forward(const Entry& e, TraceRecord& rec) {
   LocalStage& st = stages_[e.local];
   Slot& sl = st.slot(e.mb);
   if (e.needs_recv) await_input(sl.fwd_in, rec);
+  if (e.from_embedding) sl.fwd_in.tensors = {embed_->output(e.mb, rec.wait_ns)};  // the reduced lookups
   auto inputs = std::move(sl.fwd_in.tensors);
   sl.fwd_in.tensors.clear();
   const auto& in_specs = st.shapes.sigs.inputs.specs;
   if (st.trains)
     for (size_t i = 0; i < inputs.size() && i < in_specs.size(); ++i)
       if (in_specs[i].differentiable()) inputs[i].set_requires_grad(true);
+  // Stage 0 has no agreed input signature (its inputs are the step's); the embedding's output,
+  // whose gradient BCAST_E sends, is differentiable.
+  if (e.from_embedding && st.trains) inputs.at(0).set_requires_grad(true);
   ForwardResult res = st.handle->forward(*step_.data, e.mb, inputs);
   auto& outs = res.tensors;
   if (e.stage == program_.num_stages - 1 && !e.to_vocab) {  // the loss: the root of the backward
@@ -417,6 +439,8 @@ void Executor::backward(const Entry& e, const c10::Stream* consumer) {
   }
   roots.clear();  // frees the input closure of the graph now, not at the end of the step
   if (e.handoff >= 0 || e.to_send) hand_on_input_grads(e, inputs, in_grads, consumer);
+  if (e.to_embedding)  // stage 0's input gradient, for BCAST_E (zeros where the stage did not use it)
+    embed_->set_grad(e.mb, !in_grads.empty() && in_grads[0].defined() ? in_grads[0] : at::zeros_like(inputs.at(0)));
   if (options_.memory_probe && e.kind == Kind::I) {
     inputs.clear();  // what the graph keeps of the stage inputs for W, not this frame's refs
     st.handle->backward_input_done(*step_.data, e.mb);

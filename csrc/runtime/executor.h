@@ -41,6 +41,7 @@
 #include "runtime/step_comms.h"
 #include "runtime/step_failure.h"
 #include "runtime/trace.h"
+#include "runtime/embed_run.h"
 #include "runtime/vocab_run.h"
 #include "zbpipe/program.h"
 
@@ -78,6 +79,9 @@ struct ExecutorOptions {
   // This rank's shard of the vocabulary-parallel head: required exactly when the program has
   // vocabulary actions (vocab.h), which run on backends whose messages complete on the host.
   std::shared_ptr<VocabHandle> vocab;
+  // This rank's shard of the vocabulary-parallel input embedding: required exactly when the
+  // program has embedding actions (vocab.h), on the same backends.
+  std::shared_ptr<EmbedHandle> embedding;
 };
 
 // Not thread-safe: one thread drives an executor (its worker thread is its own business).
@@ -269,6 +273,7 @@ class Executor {
   StepAgreement agreement_;  // program fingerprints and the known shape sets
   CustomRun custom_;         // register_custom_function's handler and the parts it ran
   std::unique_ptr<VocabRun> vocab_;  // the vocabulary head's passes (vocab.h), or null
+  std::unique_ptr<EmbedRun> embed_;  // the vocabulary-parallel embedding's passes, or null
 };
 
 }  // namespace zbpipe::runtime
