@@ -181,3 +181,6 @@ def test_zbpipe_train_vocab_parallel_matches_one_process(capsys):
     out = capsys.readouterr().out
     assert rc == 0 and "MATCH" in out, out[-2000:]
     assert "head 'head' split over the 2 ranks" in out
+    # The token embedding is split too: stage 0 holds no 'tok_emb' (it could not run without its
+    # shard), and MATCH says the three steps equal one process's.
+    assert "token embedding 'tok_emb' split by rows over the 2 pipeline ranks" in out

@@ -87,8 +87,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="the split into stages: even blocks per stage, or planned by zbpipe.plan_partition "
                    "from measured per-block costs (docs/partition.md)")
     p.add_argument("--vocab-parallel", action="store_true",
-                   help="split the LM head and its loss over every pipeline rank (zbpipe.VocabParallelOutput; "
-                   "docs/vocab_parallel.md); with --partition auto the layers are planned around it")
+                   help="split the LM head and its loss, and the token embedding, over every pipeline rank "
+                   "(zbpipe.VocabParallelOutput, zbpipe.VocabParallelEmbedding; docs/vocab_parallel.md); with "
+                   "--partition auto the layers are planned around the head")
     p.add_argument("--vocab", type=int, default=16, help="vocabulary size of the model and the task")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint DIR, at any --pp/--dp/--schedule, "
@@ -143,19 +144,23 @@ def _worker(rank: int, world: int, opts: dict[str, Any], device: torch.device | 
     vocab = opts.get("vocab_parallel", False)
     if opts.get("stage_fqns"):  # --partition auto: the plan's split
         model = build_model(cfg, opts["seed"])
+        fqns = opts["stage_fqns"]
         if vocab:
-            model.head = None  # split over the ranks below
-        modules = zbpipe.split_by_fqn(model, opts["stage_fqns"])
+            model.head = model.tok_emb = None  # split over the ranks below
+            fqns = [[n for n in names if n != "tok_emb"] for names in fqns]
+        modules = zbpipe.split_by_fqn(model, fqns)
     else:
         modules = build_stages(cfg, num_stages, opts["seed"], head=not vocab)
     local = local_stages(program, rank % pp)
     mine = [modules[s].to(device) for s in local]
     optims = _stage_optimizers(opts, mine)
-    output = None
+    output = embedding = None
     if vocab:  # this rank's rows of the head, from the same seed's model
         output = zbpipe.VocabParallelOutput(build_model(cfg, opts["seed"]).head.to(device), group=group,
                                             data_parallel_group=dp_group)
-        optims.append(_optimizer(opts, list(output.parameters())))
+        embedding = zbpipe.VocabParallelEmbedding(build_model(cfg, opts["seed"]).tok_emb.to(device), group=group,
+                                                  data_parallel_group=dp_group)
+        optims.append(_optimizer(opts, list(output.parameters()) + list(embedding.parameters())))
     start = checkpoint.load(opts["resume_from"], mine, optims) if opts["resume_from"] else 0
     meter = SavedActivationMeter({s: modules[s] for s in local})
     share = opts["batch_size"] // dp
@@ -165,7 +170,8 @@ def _worker(rank: int, world: int, opts: dict[str, Any], device: torch.device | 
         opts["lib"], program, modules, rank % pp, device, None if vocab else lm_loss,
         group=group, io_examples=lambda s: stage_io_examples(cfg, s, num_stages, mb, device, head=not vocab),
         wrap=wrap, schedule_cls=zbpipe.ScheduleAuto if opts["schedule"] == "auto" else None,
-        schedule_kwargs=dict(output=output, compile_options=opts.get("compile_options")) if vocab else None,
+        schedule_kwargs=dict(output=output, input_embedding=embedding,
+                             compile_options=opts.get("compile_options")) if vocab else None,
     )
     first, last = 0 in local, num_stages - 1 in local
     logs = last and replica == 0
@@ -182,9 +188,10 @@ def _worker(rank: int, world: int, opts: dict[str, Any], device: torch.device | 
         for optim in optims:
             optim.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        sched.step(*((x,) if first else ()), target=y if last or vocab else None, losses=losses if last else None)
-        if opts["max_norm"]:  # the head's rows are this rank's too: disjoint shards, one norm
-            zbpipe.clip_grad_norm_(mine + ([output] if vocab else []), opts["max_norm"], group=group)
+        sched.step(*((x,) if first or vocab else ()), target=y if last or vocab else None,
+                   losses=losses if last else None)
+        if opts["max_norm"]:  # the head's and embedding's rows are this rank's too: disjoint shards, one norm
+            zbpipe.clip_grad_norm_(mine + ([output, embedding] if vocab else []), opts["max_norm"], group=group)
         for optim in optims:
             optim.step()
         if opts["schedule"] == "auto" and logs and sched.tuning is not None and not tuned:
@@ -430,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"model: {cfg.n_layers} blocks d={cfg.d_model} heads={cfg.n_heads} vocab={cfg.vocab} "
               f"seq={cfg.seq_len}; task: 2nd-order Markov chain, loss floor ~{task.entropy_floor():.3f} "
               f"nats (uniform {math.log(cfg.vocab):.3f}); optimizer {a.optimizer} lr={a.lr}", flush=True)
+        if a.vocab_parallel:
+            print(f"vocabulary parallelism: the LM head 'head' and the token embedding 'tok_emb' split by rows over "
+                  f"the {a.pp} pipeline ranks (VocabParallelOutput, VocabParallelEmbedding)", flush=True)
         if a.resume_from:
             print(f"resuming from {a.resume_from}", flush=True)
     if joined is not None:

@@ -92,7 +92,9 @@ class TinyTransformer(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
-            x = self.tok_emb(x) + self.pos_emb.weight[: x.shape[1]]
+            x = self.tok_emb(x)
+        if self.pos_emb is not None:  # stage 0 (its input the token embedding where it is split)
+            x = x + self.pos_emb.weight[: x.shape[1]]
         for block in self.blocks if self.blocks is not None else []:  # a stage may hold the head alone
             x = block(x)
         if self.ln_f is not None:  # the last stage (with or without the head: see vocab_parallel)
@@ -116,12 +118,13 @@ def blocks_per_stage(n_layers: int, num_stages: int) -> list[int]:
 def stage_module_names(cfg: TinyConfig, num_stages: int, head: bool = True) -> list[list[str]]:
     """What each stage keeps of TinyTransformer: the embeddings go to the first, the final norm
     and head to the last (head=False: the norm only, the head being split over the ranks by
-    zbpipe.VocabParallelOutput), the blocks are spread as blocks_per_stage says."""
+    zbpipe.VocabParallelOutput, and the position embedding only, the token embedding being
+    split by zbpipe.VocabParallelEmbedding), the blocks are spread as blocks_per_stage says."""
     names, first = [], 0
     for s, n in enumerate(blocks_per_stage(cfg.n_layers, num_stages)):
         names.append([f"blocks.{i}" for i in range(first, first + n)])
         first += n
-    names[0][:0] = ["tok_emb", "pos_emb"]
+    names[0][:0] = ["tok_emb", "pos_emb"] if head else ["pos_emb"]
     names[-1] += ["ln_f", "head"] if head else ["ln_f"]
     return names
 
@@ -137,7 +140,7 @@ def build_stages(cfg: TinyConfig, num_stages: int, seed: int, head: bool = True)
     (head=False: without the LM head)."""
     model = build_model(cfg, seed)
     if not head:
-        model.head = None
+        model.head = model.tok_emb = None
     return split_by_fqn(model, stage_module_names(cfg, num_stages, head))
 
 
@@ -149,8 +152,10 @@ def stage_io_examples(
     Float tensors require grad: torch.distributed.pipelining reads that flag as "this tensor
     carries a gradient" (without it on outputs, stage 0 is sent no gradient at all)."""
     b, t, d = microbatch_size, cfg.seq_len, cfg.d_model
-    if stage_index == 0:
+    if stage_index == 0 and head:
         x = torch.zeros(b, t, dtype=torch.long, device=device)
+    elif stage_index == 0:  # the split token embedding's output
+        x = torch.empty(b, t, d, device=device, requires_grad=True)
     else:
         x = torch.empty(b, t, d, device=device, requires_grad=True)
     out_dim = cfg.vocab if stage_index == num_stages - 1 and head else d
