@@ -24,9 +24,15 @@ real      pp=2 Gloo ranks, one per core (sched_setaffinity) and one torch thread
           split with the head split over the ranks and the best split with it on one rank (the
           peer). Both run round-robin, one step each per round after a warm-up; a step's time
           is the slowest rank's between barriers; the median over --steps rounds. Goals:
-          vocab / peer <= 0.75 at 128k, <= 0.97 at 32k. Memory: the plans' peak bytes per rank
-          (predicted: the simulator's activation peak under the measured per-unit bytes, plus
-          parameters, gradients and Adam's two states), largest over mean; goal <= 1.15 at 128k.
+          vocab / peer <= 0.75 at 128k, <= 0.97 at 32k. A third configuration, "vocab+embed",
+          runs the same split with the input embedding split too (VocabParallelEmbedding:
+          stage 0 without tok_embeddings, every rank its rows). Memory: the plans' peak bytes
+          per rank (predicted: the simulator's activation peak under the measured per-unit
+          bytes, plus parameters, gradients and Adam's two states), largest over mean; for
+          vocab+embed the vocab plan's with the embedding's static bytes (4 copies of V x d
+          fp32) moved from stage 0's rank to every rank by its rows; and each rank's measured
+          resident set (ru_maxrss) after the rounds, for all three configurations together.
+          Goal <= 1.15 at 128k.
 emulated  pp=4 and pp=8 Gloo ranks, EmulatedBlock units (zbpipe/bench/emulated.py: sleeps that
           leave the CPU alone): an embedding (0.1 layer), 4 layers per rank of F = I = W =
           --layer-ms, and a head of 4.9 (32k) or 24 (128k) layers (the issue's Llama at d=512).
@@ -183,15 +189,37 @@ def _real_rank(rank, size, vocab, schedule, steps):
     split_stages, split_mine = _stages(zbpipe.split_by_fqn(split_model, plan.module_fqns_per_stage), split_prog, rank)
     out = zbpipe.VocabParallelOutput(head)
     split = zbpipe.PipelineSchedule.from_program(split_stages, split_prog, output=out)
+    # The same split with the input embedding split over the ranks too.
+    embed_model = build()
+    embed_head, embed_table = embed_model.output, embed_model.tok_embeddings
+    embed_model.output = embed_model.tok_embeddings = None
+    fqns = [[n for n in names if n != "tok_embeddings"] for names in plan.module_fqns_per_stage]
+    embed_stages, _ = _stages(zbpipe.split_by_fqn(embed_model, fqns), split_prog, rank)
+    embed_out, embed_in = zbpipe.VocabParallelOutput(embed_head), zbpipe.VocabParallelEmbedding(embed_table)
+    del embed_head, embed_table
+    embed_prog = zbpipe.compile(plan.schedule, size, M, plan.num_stages // size, **plan.compile_options(),
+                                vocab_embedding=True)
+    embed = zbpipe.PipelineSchedule.from_program(embed_stages, embed_prog, output=embed_out, input_embedding=embed_in)
+    table_bytes = 4 * vocab * D * 4  # the embedding's weight, gradient and Adam's two states, fp32
+    root = split_prog.stage_to_rank[0]
+    embed_peak = [p - (table_bytes if r == root else 0) + table_bytes * (hi - lo) / vocab
+                  for r, (p, (lo, hi)) in enumerate(zip(plan.peak_bytes, [(q * vocab // size, (q + 1) * vocab // size)
+                                                                           for q in range(size)]))]
     configs = {  # inputs on the first stage's rank; targets on the last's, or (vocab) on every rank
         "peer": (peer, (x,) if 0 in peer_mine else (), y if peer_prog.num_stages - 1 in peer_mine else None,
                  list(peer_model.parameters())),
         "vocab": (split, (x,) if 0 in split_mine else (), y, list(split_model.parameters()) + list(out.parameters())),
+        # the token ids on every rank: each looks up its rows
+        "vocab+embed": (embed, (x,), y, list(embed_model.parameters()) + list(embed_out.parameters())
+                        + list(embed_in.parameters())),
     }
     times = _rounds(configs, steps)
+    import resource
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
     units = lambda p: [hi - lo for lo, hi in zip(p.bounds, p.bounds[1:])]  # noqa: E731
     return dict(times=times, peer_predicted=one.predicted_step_s, vocab_predicted=plan.predicted_step_s,
-                peer_peak=list(one.peak_bytes), vocab_peak=list(plan.peak_bytes), peer_units=units(one),
+                peer_peak=list(one.peak_bytes), vocab_peak=list(plan.peak_bytes), embed_peak=embed_peak, rss=rss,
+                peer_units=units(one),
                 vocab_units=units(plan), s_ms=[v * 1e3 for v in plan.vocab["s"]], t_ms=[v * 1e3 for v in plan.vocab["t"]],
                 head=next(u for u in one.units if u.fqn == "output"), layer=one.units[1])
 
@@ -201,7 +229,8 @@ def real(vocabs, schedule, steps):
           f"sequence {SEQ}, {M} microbatches of {MB}; schedule family {schedule}; median of {steps} rounds")
     rows = []
     for vocab in vocabs:
-        res = run_local(_real_rank_call, 2, (vocab, schedule, steps), timeout_s=3600)[0]
+        every = run_local(_real_rank_call, 2, (vocab, schedule, steps), timeout_s=3600)
+        res = every[0]
         t = res["times"]
         head, layer = res["head"], res["layer"]
         ratio = t["vocab"] / t["peer"]
@@ -219,6 +248,12 @@ def real(vocabs, schedule, steps):
         print(f"  peak MiB per rank (predicted): peer {[round(p / MIB) for p in res['peer_peak']]} (largest / mean "
               f"{peak(res['peer_peak']):.2f}), vocab {[round(p / MIB) for p in res['vocab_peak']]} (largest / mean "
               f"{peak(res['vocab_peak']):.2f}; goal at 128k <= 1.15)")
+        print(f"  vocab+embed (the input embedding split too): {t['vocab+embed'] * 1e3:.0f} ms, over peer "
+              f"{t['vocab+embed'] / t['peer']:.3f}, over vocab {t['vocab+embed'] / t['vocab']:.3f}; peak MiB per rank "
+              f"(predicted) {[round(p / MIB) for p in res['embed_peak']]} (largest / mean {peak(res['embed_peak']):.2f}; "
+              f"goal at 128k <= 1.15)")
+        print(f"  measured max RSS per rank (all three configurations built): "
+              f"{[round(r['rss'] / MIB) for r in every]} MiB")
     return rows
 
 

@@ -253,6 +253,10 @@ class PipelineSchedule:
         if prog.pp != pp or prog.num_stages != num_stages:
             raise ValueError(f"program '{prog.schedule}' has pp={prog.pp}, num_stages={prog.num_stages}; "
                              f"the stages say pp={pp}, num_stages={num_stages}")
+        has_embedding = any(a.kind == _C.Kind.E for a in prog.action_values(self._stages[0].group_rank))
+        if self._embedding is not None and not has_embedding:
+            raise ValueError(f"input_embedding= needs a program with the embedding's actions: program "
+                             f"'{prog.schedule}' has none (compile it with vocab_embedding=True)")
         self._runner.bind_program(prog)
         self.schedule = prog.schedule
 

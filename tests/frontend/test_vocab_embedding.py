@@ -88,6 +88,18 @@ def test_an_embedding_on_another_group_than_the_stages():
         zbpipe.Schedule1F1B(stage, 2, loss_fn=_loss, input_embedding=shard)
 
 
+def test_a_program_without_the_embedding_actions():
+    world = _C._LoopbackWorld(1)
+    stage = zbpipe.PipelineStage(nn.Linear(D, V), 0, 1, "cpu", group=world.group(0))
+    shard = zbpipe.VocabParallelEmbedding(_embedding(), group=world.group(0))
+    with pytest.raises(ValueError, match="input_embedding= needs a program with the embedding's actions"):
+        zbpipe.PipelineSchedule.from_program(stage, zbpipe.compile("1f1b", 1, 2), _loss, input_embedding=shard)
+    sched = zbpipe.PipelineSchedule.from_program(stage, zbpipe.compile("1f1b", 1, 2, vocab_embedding=True), _loss,
+                                                 input_embedding=shard)
+    sched.step(torch.randint(V, (4, 5)), target=torch.randint(V, (4, 5)))
+    assert shard.weight.grad is not None
+
+
 @pytest.mark.parametrize("bad", [V, -1, 100])
 def test_token_ids_outside_the_vocabulary(bad):
     world, _, body, shard, sched = _one_rank()

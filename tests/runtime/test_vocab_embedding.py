@@ -4,7 +4,8 @@ the step's losses and every gradient (the stages', and each shard's embedding ro
 process running the whole model with the nn.Embedding, on every training schedule (V,
 interleaved and DualPipeV placements included), at pp=2 and pp=4, with an uneven vocabulary and
 a padding_idx, with the loss on the last stage (loss_fn=) and with the head split too
-(output=VocabParallelOutput); eval and two accumulating steps too.
+(output=VocabParallelOutput); eval and two accumulating steps too; and under DDP stages with
+data-parallel replicas (pp 2 x dp 2), each shard's gradient averaged over its replicas.
 
 One spawned world per size (2 and 4 ranks), shared by the module's tests.
 """
@@ -163,3 +164,54 @@ def _eval_and_two_steps(rank, size):
 
 def test_eval_and_steps_accumulate(spawn_world):
     assert spawn_world(2).run(_eval_and_two_steps, timeout_s=120) == [True, True]
+
+
+# ---- DDP stages: pp 2 x dp 2 in the 4-rank world --------------------------------------------
+
+_GROUPS: dict = {}
+
+
+def _grid():
+    """(pp group, dp group, pp rank, dp rank) of this rank in a 2 x 2 grid (ranks 0,1 and 2,3
+    are the pipelines), made once per process: new_group is a call of every rank."""
+    if not _GROUPS:
+        import torch.distributed as dist
+
+        pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+        dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+        r = dist.get_rank()
+        _GROUPS["grid"] = (pp_groups[r // 2], dp_groups[r % 2], r % 2, r // 2)
+    return _GROUPS["grid"]
+
+
+def _ddp(rank, size, name):
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    pp_group, dp_group, pp_rank, dp_rank = _grid()
+    m = 4
+    program = zbpipe.compile(name, 2, m)
+    mods, head = _lm(program.num_stages)
+    ref_mods, ref_head = copy.deepcopy(mods), copy.deepcopy(head)
+    x, y = _batch(2 * m)  # the global batch: 2 replicas x m microbatches of 2 rows
+    _reference(ref_mods, ref_head, x, y, 2 * m)
+    rows = slice(dp_rank * 2 * m, (dp_rank + 1) * 2 * m)
+    mine = local_stages(program, pp_rank)
+    modules = {s: nn.Sequential(*list(mods[s])[1:]) if s == 0 else mods[s] for s in mine}
+    stages = [zbpipe.PipelineStage(DDP(modules[s], process_group=dp_group), s, program.num_stages, "cpu",
+                                   group=pp_group) for s in mine]
+    out = zbpipe.VocabParallelOutput(head, group=pp_group, data_parallel_group=dp_group)
+    emb = zbpipe.VocabParallelEmbedding(mods[0][0], group=pp_group, data_parallel_group=dp_group)
+    _schedule(name, stages, m, output=out, input_embedding=emb).step(x[rows], target=y[rows])
+    for s in mine:
+        for p, q in zip(modules[s].parameters(), [q for n, q in ref_mods[s].named_parameters()
+                                                  if not (s == 0 and n.startswith("0."))]):
+            assert _rel(p.grad, q.grad) <= TOL, f"{name}: stage {s}"
+    b, e = emb.shard_range
+    assert _rel(emb.weight.grad, ref_mods[0][0].weight.grad[b:e]) <= TOL, f"{name} replica {dp_rank}"
+    return emb.weight.grad.flatten().tolist()
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_ddp_stages_with_data_parallel_replicas(spawn_world, name):
+    grads = spawn_world(4).run(_ddp, name, timeout_s=180)
+    assert grads[0] == grads[2] and grads[1] == grads[3]  # the replicas of a shard agree
