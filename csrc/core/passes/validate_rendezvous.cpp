@@ -10,10 +10,11 @@
 // coalesces every batch on such backends; see csrc/runtime/p2p.h.)
 //
 // The vocabulary collectives (vocab.h) are groups of their own, posted in program order among
-// the batches onto a second stream: the runtime runs them on a communicator of their own
-// (VocabRun's collective group), never behind a batch on the messages' one, which would
-// deadlock (a rank's early broadcast post blocking the sends its root waits for). A
-// collective completes once every rank has started its own. Their waits are
+// the batches onto a second stream: a communicator of their own, as a stream-ordered runtime
+// must run them (on the messages' communicator every vocabulary program deadlocks: a rank's
+// early broadcast post holds back the sends its root waits for). A collective completes once
+// every rank has started its own. The executor does not run vocabulary programs on
+// stream-ordered backends yet (docs/vocab_parallel.md): this is the design it must follow. Their waits are
 // the executor's (vocab_run.h): S waits for its broadcast off the root, REDUCE_B's post and T
 // for the statistics' all-reduce, the root's backward of the last stage for the reduction.
 #include <algorithm>
@@ -141,8 +142,8 @@ class RendezvousRun {
     }
   }
 
-  // Each rank's compute streams (lanes 2r: the stages', 2r + 1: the vocabulary head's, as the
-  // executor runs them on a stream-ordered backend): a post where it reaches a batch, else a
+  // Each rank's compute streams (lanes 2r: the stages', 2r + 1: the vocabulary head's, as a
+  // stream-ordered runtime must run them): a post where it reaches a batch, else a
   // compute that waits for the groups holding its received inputs. The head's passes, the
   // posts of their collectives and REDUCE_B's rescale run on the head's stream, so a pass
   // waiting for a collective never holds back the stages' posts; the root's broadcast is posted
