@@ -48,7 +48,10 @@ std::vector<CommBatch> comm_batches(const std::vector<Action>& acts, bool split_
 // atomically on a stream of its own rank (groups in program order, each after the compute
 // before it), a send completes only once its receive's group is running, and a compute waits
 // for the whole group holding its receive. Throws ScheduleError (grid marked) on a deadlock
-// that validate()'s buffered-send run cannot see, for both settings of split_overlap.
+// that validate()'s buffered-send run cannot see, for both settings of split_overlap. The
+// vocabulary collectives run on a communicator of their own and the head's passes on a compute
+// stream of their own (validate_rendezvous.cpp): every compiled vocabulary program completes
+// there, and none on one communicator.
 void validate_rendezvous(const Program& p);
 
 }  // namespace zbpipe
