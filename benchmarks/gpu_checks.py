@@ -27,9 +27,15 @@ import threading
 import time
 import warnings
 
+# The installed zbpipe first (CI runs on the wheel, whose source tree has no _C); a development
+# tree's own copy only where none is installed.
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
+try:
+    import zbpipe._C  # noqa: F401
+except ImportError:
     sys.path.insert(0, ROOT)
+    for name in [m for m in sys.modules if m == "zbpipe" or m.startswith("zbpipe.")]:
+        del sys.modules[name]
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402

@@ -2,13 +2,15 @@
 pipelining/microbatch.py): by default tensors split and concatenate along dim 0 and other values
 are replicated; torch's chunk specs choose otherwise per value (ChunkSpecs). Every microbatch
 gets an equal share (zbpipe agrees on one shape per step, where torch's tensor_split allows a
-remainder)."""
+remainder). The containers are those of every walk (zbpipe/_tree.py's node)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import torch
+
+from . import _tree
 
 
 def _torch_specs():
@@ -68,14 +70,15 @@ def split(value: Any, n: int, what: str, spec: Any = None) -> list:
         return [value] * n
     if isinstance(value, torch.Tensor):
         return _split_tensor(value, n, what, 0 if spec is None else _split_dim(spec, what))
-    if isinstance(value, (tuple, list)):
-        specs = _element_specs(spec, range(len(value)), what, type(value).__name__)
-        cols = [split(v, n, f"{what}[{i}]", s) for i, v, s in zip(range(len(value)), value, specs)]
+    found = _tree.node(value)
+    if found is not None:
+        kind, items = found
+        keys = [k for k, _ in items]
+        specs = _element_specs(spec, keys, what, _kind_name(value, kind))
+        cols = [split(v, n, f"{what}[{k!r}]", s) for (k, v), s in zip(items, specs)]
+        if kind == "dict":
+            return [{k: c[i] for k, c in zip(keys, cols)} for i in range(n)]
         return [type(value)(c[i] for c in cols) for i in range(n)]
-    if isinstance(value, dict):
-        specs = _element_specs(spec, list(value), what, "dict")
-        cols = {k: split(v, n, f"{what}[{k!r}]", s) for (k, v), s in zip(value.items(), specs)}
-        return [{k: c[i] for k, c in cols.items()} for i in range(n)]
     if spec is not None:
         raise ValueError(f"zbpipe: {what} is a {type(value).__name__}, which chunk spec {spec} cannot "
                          "split (a TensorChunkSpec splits a tensor; use _Replicate or no spec)")
@@ -106,6 +109,11 @@ def _split_tensor(value: torch.Tensor, n: int, what: str, dim: int) -> list:
     return list(value.split(size // n, dim))
 
 
+def _kind_name(value, kind: str) -> str:
+    """What messages call a container: its type's name ("dict" for any dict)."""
+    return "dict" if kind == "dict" else type(value).__name__
+
+
 def _element_specs(spec, keys, what: str, kind: str) -> list:
     """The spec of each element of a container: None everywhere without one, the container's
     own entries where it mirrors the value, ValueError otherwise."""
@@ -134,13 +142,14 @@ def merge(chunks: list, spec: Any = None) -> Any:
         if spec is not None:
             raise ValueError(f"zbpipe: output_merge_spec {spec!r} does not mirror a tensor output")
         return torch.cat(chunks) if first.dim() > 0 else torch.stack(chunks)
-    if isinstance(first, (tuple, list)):
-        specs = _element_specs(spec, range(len(first)), "the output", type(first).__name__)
-        return type(first)(merge([c[i] for c in chunks], s) for i, s in enumerate(specs))
-    if isinstance(first, dict):
-        specs = _element_specs(spec, list(first), "the output", "dict")
-        return {k: merge([c[k] for c in chunks], s) for k, s in zip(first, specs)}
-    return chunks
+    found = _tree.node(first)
+    if found is None:
+        return chunks
+    kind, items = found
+    keys = [k for k, _ in items]
+    specs = _element_specs(spec, keys, "the output", _kind_name(first, kind))
+    merged = [merge([c[k] for c in chunks], s) for k, s in zip(keys, specs)]
+    return dict(zip(keys, merged)) if kind == "dict" else type(first)(merged)
 
 
 def _merge_leaf(chunks: list, spec) -> Any:

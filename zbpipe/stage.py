@@ -1,7 +1,7 @@
 """PipelineStage: wraps the nn.Module of one pipeline stage for the C++ executor.
 
-The executor calls the ``_zb_*`` methods (through the trampoline in csrc/python/py_stage.h) in
-program order, each with the StepData of the running step (zbpipe/step_data.py): the schedule
+The executor calls the ``_zb_*`` methods (through the trampoline in csrc/python/py_stage.h; the
+list: zbpipe/stage_interface.py's StageInterface) in program order, each with the StepData of the running step (zbpipe/step_data.py): the schedule
 builds one per step and hands it to the executor's run, which passes it to every stage call and
 returns the last stage's outputs and losses. A stage keeps only what is its own (module,
 placement, shape cache, data-parallel adapter), nothing of a step. Only forwards run here: the
@@ -26,7 +26,7 @@ from .checkpointing import recompute_ahead, recompute_once
 from .data_parallel import adapter_for
 from .deferred_linear import DeferredLinearHook
 from .devices import placement
-from .step_data import StepData, input_signature, tensor_layout  # noqa: F401 - input_signature: also imported from here
+from .step_data import StepData, input_signature  # noqa: F401 - input_signature: also imported from here
 
 # What a module raises where fake tensors cannot run it (no fake kernel, a data-dependent value,
 # a conversion that needs data): shape inference then runs it for real. Any other exception is
@@ -128,18 +128,19 @@ class PipelineStage:
         self.get_mesh = get_mesh
         self._dp = None
         self._dp_of: tuple | None = None  # (module, its class) the adapter was made for
-        self._bind_data_parallel(None)
+        self.bind_data_parallel(None)
         # Shape cache: input structure string -> parsed (per negotiated signature), the one in
         # use, and whether shape inference may run the module on fake tensors.
         self._parsed: dict[str, Any] = {}
         self._in_parsed: Any = None
         self._fake_shapes = True  # fake tensors (meta storage), not a real run
 
-    def _bind_data_parallel(self, split_backward: bool | None) -> bool:
+    def bind_data_parallel(self, split_backward: bool | None) -> bool:
         """The data-parallel adapter of ``submod`` as it is now: made anew where the module or
         its class changed (fully_shard changes the class in place), then checked against a
         program that splits this stage's backward (split_backward; None: no program yet).
-        Returns whether the stage syncs gradients; raises ValueError as the adapter's check."""
+        Returns whether the stage syncs gradients; raises ValueError as the adapter's check.
+        A schedule calls it when it takes a program and when it builds or runs an executor."""
         module = self.submod
         if self._dp_of is None or self._dp_of[0] is not module or self._dp_of[1] is not type(module):
             self._dp = adapter_for(module, self._linear is not None)
@@ -147,6 +148,11 @@ class PipelineStage:
         if self._dp is not None and split_backward is not None:
             self._dp.check(self.stage_index, split_backward)
         return self._dp is not None
+
+    def data_parallel_groups(self) -> list:
+        """The process groups the stage's gradient sync runs a collective on (DDP's group,
+        FSDP2's shard and replicate groups; [] without data parallelism), as last bound."""
+        return self._dp.groups() if self._dp is not None else []
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         """torch's: divides the gradients of the stage's parameters by grad_scale_factor. zbpipe's
@@ -160,9 +166,10 @@ class PipelineStage:
         return f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, rank={self.group_rank})"
 
     @contextlib.contextmanager
-    def _step_scope(self, training: bool):
-        """The stage's own modes for the length of one schedule step: data parallelism's sync
-        flags (step_begin / step_end(failed)) and deferred_linear's in-step routing."""
+    def step_scope(self, training: bool):
+        """The stage's own modes for the length of one schedule step (the schedule enters it
+        around each step): data parallelism's sync flags (step_begin / step_end(failed)) and
+        deferred_linear's in-step routing."""
         failed = True
         try:
             if self._dp is not None:
@@ -206,8 +213,8 @@ class PipelineStage:
         if step.memory_probe is None:
             return contextlib.nullcontext()
         data: list[torch.Tensor] = []
-        tensor_layout((step.args[mb] if self.is_first else None, step.microbatch_kwargs(mb),
-                 step.targets[mb] if self.is_last and step.targets is not None else None), data)
+        _tree.tensor_layout((step.args[mb] if self.is_first else None, step.microbatch_kwargs(mb),
+                             step.targets[mb] if self.is_last and step.targets is not None else None), data)
         return step.memory_probe.recording(self.stage_index, mb, self.submod, data)
 
     def _zb_before_backward_on_worker(self, step: StepData, mb: int) -> None:
@@ -256,6 +263,8 @@ class PipelineStage:
         if not self.is_last:
             return _tree.flatten(out)[0], None, None
         kept = _detach(out) if step.keep_outputs else None
+        if step.vocab is not None:  # the output is the vocabulary-parallel head's input
+            return _tree.flatten(out)[0], None, kept
         if step.loss_fn is None:
             return [], None, kept
         with contextlib.nullcontext() if step.train else torch.no_grad():
@@ -474,10 +483,5 @@ def _to_fake(mode, v):
 
 
 def _detach(out):
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    try:
-        flat, st = _tree.flatten(out)
-    except TypeError:
-        return out  # a last-stage output of another kind is returned as is
-    return _tree.unflatten([t.detach() for t in flat], st)
+    """The last stage's output as kept for step's return."""
+    return _tree.detached(out)

@@ -14,6 +14,7 @@ from typing import Any, Callable
 import torch
 
 from . import _tree, microbatch
+from ._tree import tensor_layout  # noqa: F401 - the layout of a step's arguments, named here too
 
 
 @dataclasses.dataclass(eq=False, slots=True)
@@ -36,6 +37,9 @@ class StepData:
     # (stage, microbatch) -> weak references to the checkpointed regions its training forward
     # created, recomputed on the executor's thread before a backward on the overlap worker.
     regions: dict = dataclasses.field(default_factory=dict)
+    # The vocabulary-parallel output (zbpipe.VocabParallelOutput) in place of loss_fn: targets
+    # then live on every rank (each shard needs them).
+    vocab: Any = None
 
     def microbatch_kwargs(self, mb: int) -> dict:
         return self.kwargs[mb] if self.kwargs else {}
@@ -44,7 +48,8 @@ class StepData:
     def build(cls, n: int, *, train: bool, has_first: bool, has_last: bool, loss_fn: Callable | None = None,
               args: tuple = (), kwargs: dict | None = None, target: Any = None, arg_mbs: list | None = None,
               kwarg_mbs: list | None = None, target_mbs: list | None = None, keep_outputs: bool = True,
-              loss_kwargs: dict | None = None, chunk_specs: microbatch.ChunkSpecs | None = None) -> StepData:
+              loss_kwargs: dict | None = None, chunk_specs: microbatch.ChunkSpecs | None = None,
+              vocab: Any = None) -> StepData:
         """The step's StepData for a rank holding the first stage (has_first) and/or the last
         (has_last): positional arguments where the first stage lives, targets (and the loss)
         where the last does, keyword arguments everywhere; split here into n microbatches from
@@ -54,7 +59,9 @@ class StepData:
         along dim 0, as torch's). Raises ValueError for a batch that does not split (no rows,
         or not divisible), a spec that does not fit, a missing target, or mixed forms;
         TypeError or ValueError as microbatch.presplit for a pre-split list of the wrong type
-        or count."""
+        or count.
+        With `vocab` (a VocabParallelOutput) every rank takes the targets, checked by
+        vocab.check_targets (ValueError for a token outside the vocabulary)."""
         kwargs = kwargs or {}
         specs = chunk_specs or microbatch.ChunkSpecs()
         step = cls(train=train, keep_outputs=keep_outputs, loss_kwargs=loss_kwargs or {})
@@ -72,7 +79,13 @@ class StepData:
             if kwargs:
                 step.kwargs = specs.split_kwargs(dict(kwargs), n)
             targets = target  # the whole batch's; split below where the loss runs
-        if has_last and loss_fn is not None and (targets is not None or train):
+        if vocab is not None:
+            if targets is None:
+                raise ValueError("zbpipe: a schedule with output= (VocabParallelOutput) needs target= (or "
+                                 "target_mbs=) on every rank: each rank's shard of the head needs the targets")
+            step.targets = vocab.check_targets(targets if presplit else microbatch.split(targets, n, "target"))
+            step.vocab = vocab
+        elif has_last and loss_fn is not None and (targets is not None or train):
             if targets is None:
                 raise ValueError("zbpipe: the last stage needs target= (or target_mbs=) when a loss_fn is set")
             step.targets = targets if presplit else microbatch.split(targets, n, "target")
@@ -99,7 +112,7 @@ def input_signature(step: StepData, device_type: str = "cpu") -> tuple[list, str
     the stages' device type (autocast changes the dtypes the stages produce: a step entering
     or leaving it, or changing its dtype, negotiates anew, as a change of shape does)."""
     tensors: list[torch.Tensor] = []
-    layout = tensor_layout((step.args[0], step.microbatch_kwargs(0)), tensors)
+    layout = _tree.tensor_layout((step.args[0], step.microbatch_kwargs(0)), tensors)
     return _tree.specs_of(tensors), layout + autocast_state(device_type)
 
 
@@ -109,17 +122,3 @@ def autocast_state(device_type: str) -> str:
     on = [f"{t}={str(torch.get_autocast_dtype(t)).removeprefix('torch.')}"
           for t in dict.fromkeys(("cpu", device_type)) if torch.is_autocast_enabled(t)]
     return f" autocast({','.join(on)})" if on else ""
-
-
-def tensor_layout(obj, out: list) -> str:
-    """Collects the tensors nested in tuples, lists and dicts into `out`; returns the layout
-    (containers, keys and where the tensors sit; other values are only marked)."""
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-        return "T"
-    if isinstance(obj, (tuple, list)):
-        return "(" + ",".join(tensor_layout(v, out) for v in obj) + ")"
-    if isinstance(obj, dict):
-        return "{" + ",".join(f"{k!r}:{tensor_layout(v, out)}"
-                              for k, v in sorted(obj.items(), key=lambda kv: str(kv[0]))) + "}"
-    return "."

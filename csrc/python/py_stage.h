@@ -68,7 +68,8 @@ auto guarded(F&& f, const char* where = "the stage") -> decltype(f()) {
 }
 
 // Each call re-acquires the GIL (the executor runs without it); Python exceptions become
-// StageErrors (guarded). The stage's _zb_* methods are looked up once, at construction.
+// StageErrors (guarded). The stage's _zb_* methods (the Python list: zbpipe/stage_interface.py)
+// are looked up once, at construction, or by name at each call.
 class PyStage final : public runtime::StageHandle {
  public:
   explicit PyStage(py::object stage);

@@ -13,6 +13,7 @@
 #include "runtime/trace_scope.h"
 #include "zbpipe/cancel.h"
 #include "zbpipe/passes.h"
+#include "zbpipe/vocab.h"
 
 namespace zbpipe::runtime {
 
@@ -57,6 +58,14 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
   ZB_SCHEDULE_CHECK(program_.has_comms() || program_.pp == 1,
                     "the executor runs lowered programs (with SEND/RECV); got a compute-only one");
   check_placement(program_, rank(), stages);
+  ZB_SCHEDULE_CHECK(has_vocab(program_) == (options_.vocab != nullptr), "the program '", program_.schedule,
+                    options_.vocab ? "' has no vocabulary actions but a vocabulary-parallel output was given"
+                                   : "' has vocabulary actions but no vocabulary-parallel output was given");
+  if (options_.vocab) {
+    ZB_SCHEDULE_CHECK(!p2p_->stream_ordered(), "vocabulary parallelism runs on backends whose messages complete "
+                      "on the host (Gloo) so far; this group (", p2p_->backend_name(), ") is stream-ordered");
+    vocab_ = std::make_unique<VocabRun>(*p2p_, options_.vocab, program_);
+  }
   // Stream-ordered backends: refuse a program whose posts would deadlock there (a send
   // completes only once its receive is posted), before any message.
   if (p2p_->stream_ordered() && program_.pp > 1) validate_rendezvous(program_);
@@ -144,6 +153,10 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
     check_comms(e.index, false);
   }
   join_worker();
+  if (vocab_ && !result.losses.empty())  // the root reports the head's losses
+    or_fail_step(kStepEnd, [&] {
+      for (int mb = 0; mb < program_.microbatches; ++mb) result.losses[mb] = vocab_->loss(mb);
+    });
   end_step();
   return result;
 }
@@ -153,9 +166,21 @@ void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
     ensure_watch();
     failures_.arm();
     const std::function<void()> stop = [this] { failures_.check_stop(); };
-    agreement_.before_step({*step_.data, first_inputs, failures_.step(), options_.timeout, failures_.watch(),
-                            failures_.id(), failures_.global(program_.rank_of(0)), stop});
+    agreement_.before_step({.data = *step_.data,
+                            .first_inputs = first_inputs,
+                            .number = failures_.step(),
+                            .timeout = options_.timeout,
+                            .watch = failures_.watch(),
+                            .id = failures_.id(),
+                            .stage0_rank = failures_.global(program_.rank_of(0)),
+                            .check_stop = stop});
     meet_replicas_at_start();
+    if (vocab_) {  // the root checks that the last stage's agreed output is the head's input
+      const std::vector<TensorSpec>* hidden = nullptr;
+      for (const LocalStage& st : stages_)
+        if (st.stage == program_.num_stages - 1) hidden = &st.shapes.sigs.outputs.specs;
+      vocab_->begin(*step_.data, loss_scale, options_.timeout, hidden);
+    }
   });
   step_.loss_scale = loss_scale;
   timer_->start_step();
@@ -218,6 +243,7 @@ void Executor::start_on_worker(size_t i) {
     stages_[e.local].handle->before_backward_on_worker(*step_.data, e.mb);
     // The receive is waited here: P2P is not thread-safe.
     if (e.needs_recv) comms_->wait(slot(e.local, e.mb).grad_in, trace_[i].wait_ns);
+    if (e.needs_vocab_grad) vocab_->await_input_grad(e.mb, trace_[i].wait_ns);
     if (!overlap_.worker) overlap_.worker = std::make_unique<OverlapWorker>(p2p_->device());
     overlap_.index = e.index;
     const c10::Device device = p2p_->device();
@@ -271,6 +297,7 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
     case Kind::B:
     case Kind::I:
       if (e.needs_recv) await_input(slot(e.local, e.mb).grad_in, rec);
+      if (e.needs_vocab_grad) vocab_->await_input_grad(e.mb, rec.wait_ns);
       backward(e, nullptr);
       return;
     case Kind::W:
@@ -281,6 +308,21 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
     case Kind::SEND_B:
     case Kind::RECV_B:
       comms_->post(e);
+      return;
+    case Kind::S:
+      vocab_->s_pass(e.mb, rec.wait_ns);
+      return;
+    case Kind::T:
+      vocab_->t_pass(e.mb, rec.wait_ns);
+      return;
+    case Kind::BCAST_F:
+      vocab_->post_broadcast(e.mb);
+      return;
+    case Kind::ALLREDUCE_S:
+      vocab_->post_allreduce(e.mb);
+      return;
+    case Kind::REDUCE_B:
+      vocab_->post_reduce(e.mb, rec.wait_ns);
       return;
     case Kind::OVERLAP_F_B:
       break;
@@ -305,7 +347,7 @@ void Executor::forward(const Entry& e, TraceRecord& rec) {
       if (in_specs[i].differentiable()) inputs[i].set_requires_grad(true);
   ForwardResult res = st.handle->forward(*step_.data, e.mb, inputs);
   auto& outs = res.tensors;
-  if (e.stage == program_.num_stages - 1) {  // the loss: the root of the backward
+  if (e.stage == program_.num_stages - 1 && !e.to_vocab) {  // the loss: the root of the backward
     step_.result->losses[e.mb] = std::move(res.loss);
     step_.result->outputs[e.mb] = std::move(res.output);
     if (st.trains) sl.roots = std::move(outs);
@@ -319,8 +361,14 @@ void Executor::forward(const Entry& e, TraceRecord& rec) {
       detached.push_back(outs[i].detach());  // the next stage starts its own graph
       if (st.trains && out_specs[i].differentiable()) sl.roots.push_back(std::move(outs[i]));
     }
-    if (e.handoff >= 0) slot(e.handoff, e.mb).fwd_in.tensors = std::move(detached);
-    else sl.fwd_out = std::move(detached);
+    if (e.to_vocab) {  // the vocabulary head's input; the stage's output is kept as the last's
+      vocab_->set_input(e.mb, detached.at(0));
+      step_.result->outputs[e.mb] = std::move(res.output);
+    } else if (e.handoff >= 0) {
+      slot(e.handoff, e.mb).fwd_in.tensors = std::move(detached);
+    } else {
+      sl.fwd_out = std::move(detached);
+    }
   }
   if (st.trains) sl.saved_in = std::move(inputs);
 }
@@ -334,7 +382,11 @@ void Executor::backward(const Entry& e, const c10::Stream* consumer) {
   auto inputs = std::move(sl.saved_in);
   sl.roots.clear();
   sl.saved_in.clear();
-  if (e.stage == program_.num_stages - 1) {
+  if (e.needs_vocab_grad) {  // the head's input gradient, reduced over every shard
+    root_grads = {vocab_->input_grad(e.mb)};
+    if (consumer)
+      for (const auto& g : root_grads) record_on_stream(g, *consumer);
+  } else if (e.stage == program_.num_stages - 1) {
     root_grads.clear();
     for (const auto& r : roots) root_grads.push_back(at::full_like(r, step_.loss_scale));
     // Made on the worker's stream, read by autograd on the streams of the forward.

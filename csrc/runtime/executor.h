@@ -41,6 +41,7 @@
 #include "runtime/step_comms.h"
 #include "runtime/step_failure.h"
 #include "runtime/trace.h"
+#include "runtime/vocab_run.h"
 #include "zbpipe/program.h"
 
 namespace zbpipe::runtime {
@@ -74,6 +75,9 @@ struct ExecutorOptions {
   // Call StageHandle::backward_input_done after every I (Executor::set_memory_probe; off by
   // default: a probe costs a call into the front end per I).
   bool memory_probe = false;
+  // This rank's shard of the vocabulary-parallel head: required exactly when the program has
+  // vocabulary actions (vocab.h), which run on backends whose messages complete on the host.
+  std::shared_ptr<VocabHandle> vocab;
 };
 
 // Not thread-safe: one thread drives an executor (its worker thread is its own business).
@@ -264,6 +268,7 @@ class Executor {
   StepFailures failures_;    // the watch, the step count, the interrupt, the report
   StepAgreement agreement_;  // program fingerprints and the known shape sets
   CustomRun custom_;         // register_custom_function's handler and the parts it ran
+  std::unique_ptr<VocabRun> vocab_;  // the vocabulary head's passes (vocab.h), or null
 };
 
 }  // namespace zbpipe::runtime

@@ -27,9 +27,10 @@ struct TensorSpec {
 std::string to_string(const TensorSpec& s);
 std::string to_string(const std::vector<TensorSpec>& specs);
 
-// What crosses one stage boundary: the flat tensor specs plus an opaque structure string
-// (written and read by the Python stage: tensor / tuple / dict layout) that the runtime only
-// transports.
+// What crosses one stage boundary: the flat tensor specs plus the front end's text of where
+// they sit in its values (zbpipe/_tree.py: a stage output's tree spec, the first stage's input
+// layout), which the runtime only compares and transports (a handshake failure carries its
+// message apart, handshake.cpp).
 struct Signature {
   std::vector<TensorSpec> specs;
   std::string structure;

@@ -141,7 +141,7 @@ def test_schedules_take_torchs_positional_and_keyword_forms():
     ref = copy.deepcopy(mods)
     stages = [zbpipe.PipelineStage(m, s, 2, "cpu", group=world.group(0)) for s, m in enumerate(mods)]
     sched = zbpipe.ScheduleInterleavedZeroBubble(stages, 4, F.mse_loss, None, None, None, False, True, True)
-    assert sched.scale_grads is False and sched._runner._options["prepost_receives"] is False
+    assert sched.scale_grads is False and sched._runner.options.prepost_receives is False
     sched.step(x, target=y)
     _reference(ref, x, y, 1.0)
     assert_close([p.grad for m in mods for p in m.parameters()], [p.grad for m in ref for p in m.parameters()])
