@@ -1,6 +1,8 @@
 """torchtitan's own trainer with torch.distributed.pipelining's classes swapped for zbpipe's:
 per schedule, the loss and gradient norm of each step against torchtitan's run on torch's
-classes (same seed, same data: torch's run is the reference). Needs a torchtitan install.
+classes (same seed, same data: torch's run is the reference). Needs a torchtitan install
+(docs/torchtitan.md says how it was made on a CPU host: triton too, which torchtitan 0.3.0
+imports at module level).
 
     PYTHONPATH=. /path/to/venv-with-torchtitan/bin/python benchmarks/torchtitan_class_swap.py \
         [--schedules 1F1B,Interleaved1F1B,ZBVZeroBubble,InterleavedZeroBubble,DualPipeV,VFillDrainCSV] \
