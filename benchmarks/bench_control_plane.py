@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python benchmarks/bench_control_plane.py training            # requests per rank per step
     PYTHONPATH=. python benchmarks/bench_control_plane.py training --window 8 --rate 5
+    PYTHONPATH=. python benchmarks/bench_control_plane.py scale --ranks 1024 --pp 4 --procs 8
 
 `training`: steady 1F1B training on Gloo (CPU), one pipeline of 4 ranks and pp=2 x dp=2 with
 DDP stages, against a TCPStore server in a process of its own (benchmarks/store_server.py
@@ -10,6 +11,18 @@ counts the requests it serves from its own per-request log). After warm-up steps
 and torch.distributed.pipelining's on the same stages and groups in the same run (torch's is the
 0 baseline: it puts nothing on the store after setup). Printed: store requests per rank per
 step and per rank per second, by operation.
+
+`scale`: the store-facing control plane of `--ranks` simulated ranks (pipelines of `--pp`,
+the replicas of each stage a data-parallel group), `--procs` processes of ranks/procs each, every
+rank the real objects (zbpipe._C._ControlPlaneRank: its failure watch on its pipeline's and its
+replicas' stores with their inboxes, the program agreement, the replicas' meeting through the
+store) against one TCPStore server in a process of its own. Phases, each bracketed by marker
+requests: setup (the watches, the agreement of every pipeline and the first meeting of every
+stage's replicas; its wall time), idle (`--idle` seconds: the server's requests and CPU, from
+/proc), failure (one rank publishes a failure; the latency until each rank's watcher heard of
+it, on the machine's one monotonic clock, and the worst). Per-step traffic (each step's
+signature, the later meetings) travels over the groups' control groups and never reaches the
+store: `training` counts it.
 """
 
 from __future__ import annotations
@@ -97,6 +110,7 @@ def _training_rank(rank: int, world: int, port: int, pp: int, dp: int, window: f
             dist.barrier()
             if rank == 0:
                 mark(store, label + "/end")
+            dist.barrier()  # no rank drops its schedule (requests: its watch stops) before the marker
             results[label] = (t0, t1, steps)
         del sched
     out.put((rank, results))
@@ -126,7 +140,7 @@ def training(args) -> None:
             t0 = min(got[r][label][0] for r in got)
             t1 = max(got[r][label][1] for r in got)
             steps = got[0][label][2]
-            reqs = server.requests(label)
+            reqs = server.requests(label, keys=args.keys)
             total = sum(reqs.values())
             ops = ", ".join(f"{op} {n}" for op, n in reqs.most_common())
             engine, paced = label.split("/")
@@ -136,14 +150,128 @@ def training(args) -> None:
         server.close()
 
 
+def _scale_rank_process(proc: int, procs: int, port: int, ranks: int, pp: int, timeout: float, barrier, out) -> None:
+    import threading
+
+    from zbpipe import _C
+
+    torch.set_num_threads(1)
+    dp = ranks // pp
+    client = dist.TCPStore("127.0.0.1", port, 1, False, timeout=datetime.timedelta(seconds=timeout))
+    mine = list(range(proc, ranks, procs))
+    me = []
+    for g in mine:  # rank g: stage s of replica d
+        d, s = divmod(g, pp)
+        me.append(_C._ControlPlaneRank(dist.PrefixStore(f"pp{d}/", client), s, pp,
+                                       dist.PrefixStore(f"dp{s}/", client), d, dp, g))
+    barrier.wait()  # every rank constructed: the setup phase starts
+
+    def setup(rank):
+        rank.agree("schedule=1f1b pp=%d (the benchmark's)" % pp, timeout)
+        rank.meet(timeout)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=setup, args=(r,)) for r in me]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    setup_s = time.perf_counter() - t0
+    barrier.wait()  # setup done everywhere
+    barrier.wait()  # idle window over (the parent measured it)
+    failed_at = None
+    if proc == 0:  # global rank 0 fails
+        failed_at = _C._steady_clock_ns()
+        me[0].fail("RuntimeError: injected by the benchmark")
+    deadline = time.monotonic() + timeout
+    while any(r.seen_at_ns < 0 for r in me[1 if proc == 0 else 0:]) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out.put((proc, setup_s, failed_at, {g: (r.seen_at_ns, r.seen) for g, r in zip(mine, me)}))
+    barrier.wait()  # results sent: the ranks go (their watches' stop requests follow the last marker)
+    del me
+
+
+def scale(args) -> None:
+    ranks, pp, procs = args.ranks, args.pp, args.procs
+    assert ranks % pp == 0 and ranks % procs == 0, "ranks must divide by pp and by procs"
+    server = StoreServer(count=True)
+    client = dist.TCPStore("127.0.0.1", server.port, 1, False, timeout=datetime.timedelta(seconds=args.timeout))
+    ctx = mp.get_context("spawn")
+    barrier, out = ctx.Barrier(procs + 1), ctx.Queue()
+    ps = [ctx.Process(target=_scale_rank_process, args=(i, procs, server.port, ranks, pp, args.timeout, barrier, out))
+          for i in range(procs)]
+    mark(client, "construct/start")
+    for p in ps:
+        p.start()
+    barrier.wait(timeout=600)
+    mark(client, "construct/end")
+    mark(client, "setup/start")
+    barrier.wait(timeout=600)
+    mark(client, "setup/end")
+    settle()
+    mark(client, "idle/start")
+    cpu0, t0 = server.cpu_s(), time.monotonic()
+    time.sleep(args.idle)
+    cpu1, t1 = server.cpu_s(), time.monotonic()
+    mark(client, "idle/end")
+    mark(client, "failure/start")
+    barrier.wait(timeout=600)
+    got = [out.get(timeout=args.timeout + 60) for _ in ps]
+    mark(client, "failure/end")
+    barrier.wait(timeout=600)
+    for p in ps:
+        p.join(120)
+    settle(1.0)
+    failed_at = next(f for _, _, f, _ in got if f is not None)
+    latencies, unseen = [], []
+    for _, _, _, seen in got:
+        for g, (at, what) in seen.items():
+            if g == 0:
+                continue
+            if at < 0 or not what.startswith("rank 0 failed"):
+                unseen.append(g)
+            else:
+                latencies.append((at - failed_at) / 1e9)
+    setup_s = max(s for _, s, _, _ in got)
+    construct, setup, idle, failure = (server.requests(k) for k in ("construct", "setup", "idle", "failure"))
+    idle_n = sum(idle.values())
+    print(f"control plane of {ranks} ranks (pp={pp} x dp={ranks // pp}) in {procs} processes, one TCPStore server")
+    print(f"{'phase':<28} {'value':>12}  {'store requests':>14}  by operation")
+    print(f"{'construct (ids, watches)':<28} {'':>12}  {sum(construct.values()):>14}  "
+          f"{', '.join(f'{o} {n}' for o, n in construct.most_common())}")
+    print(f"{'setup agreement (s)':<28} {setup_s:12.2f}  {sum(setup.values()):>14}  "
+          f"{', '.join(f'{o} {n}' for o, n in setup.most_common())}")
+    print(f"{'idle: requests/s':<28} {idle_n / (t1 - t0):12.2f}  {idle_n:>14}  "
+          f"{', '.join(f'{o} {n}' for o, n in idle.most_common()) or '-'}")
+    print(f"{'idle: server CPU (% core)':<28} {100 * (cpu1 - cpu0) / (t1 - t0):12.2f}")
+    lat = sorted(latencies)
+    print(f"{'failure: ranks told':<28} {len(lat):>12}  {sum(failure.values()):>14}  "
+          f"{', '.join(f'{o} {n}' for o, n in failure.most_common())}")
+    if lat:
+        print(f"{'failure: median latency (s)':<28} {lat[len(lat) // 2]:12.3f}")
+        print(f"{'failure: worst latency (s)':<28} {lat[-1]:12.3f}")
+    if unseen:
+        print(f"NOT TOLD: ranks {unseen[:20]}{' ...' if len(unseen) > 20 else ''} ({len(unseen)})")
+    server.close()
+    if unseen:
+        sys.exit(1)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="mode", required=True)
     t = sub.add_parser("training", help="store requests per rank per step of steady training")
     t.add_argument("--window", type=float, default=8.0, help="seconds of steps per measurement")
     t.add_argument("--rate", type=float, default=5.0, help="steps per second of the paced runs")
+    t.add_argument("--keys", action="store_true", help="name the key of every request counted")
+    c = sub.add_parser("scale", help="the control plane of N simulated ranks against one store")
+    c.add_argument("--ranks", type=int, default=1024)
+    c.add_argument("--pp", type=int, default=4)
+    c.add_argument("--procs", type=int, default=8, help="processes the ranks are spread over")
+    c.add_argument("--idle", type=float, default=10.0, help="seconds of the idle window")
+    c.add_argument("--timeout", type=float, default=120.0, help="bound of every wait")
     args = p.parse_args()
-    {"training": training}[args.mode](args)
+    {"training": training, "scale": scale}[args.mode](args)
 
 
 if __name__ == "__main__":

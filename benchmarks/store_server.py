@@ -34,9 +34,9 @@ store = dist.TCPStore("127.0.0.1", 0, 1, True, timeout=datetime.timedelta(second
 print(store.port, flush=True)
 sys.stdin.read()  # until the parent closes it
 '''
-_LINE = re.compile(r"^\[I\S+ \S+ \S+\] \[c10d - trace\] ([a-z_]+) (?:key:(\S+))?")
+_LINE = re.compile(r"^\[I\S+ \S+ \S+\] \[c10d - trace\] (\w+) (?:key:(\S+))?")
 MARK = "bench/mark/"
-NOT_REQUESTS = {"validate", "ping"}  # a client's connection handshake
+NOT_REQUESTS = {"validate", "ping"}  # a client's connection handshake (requests name their address)
 
 
 class StoreServer:
@@ -57,9 +57,10 @@ class StoreServer:
         fields = open(f"/proc/{self.pid}/stat").read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
-    def requests(self, label: str) -> collections.Counter:
+    def requests(self, label: str, keys: bool = False) -> collections.Counter:
         """Requests the server processed between the markers "<label>/start" and "<label>/end"
-        (see mark), by operation; the markers themselves are not counted."""
+        (see mark), by operation (`keys`: by operation and key); the markers themselves are not
+        counted."""
         assert self._log is not None, "a server started with count=False does not count"
         self._log.flush()
         out: collections.Counter = collections.Counter()
@@ -67,7 +68,7 @@ class StoreServer:
         with open(self._log.name) as f:
             for line in f:
                 m = _LINE.match(line)
-                if not m or m.group(1) in NOT_REQUESTS:
+                if not m or m.group(1) in NOT_REQUESTS or " address:" not in line:
                     continue
                 op, key = m.groups()
                 if key and key.lstrip("/") == f"{MARK}{label}/start":
@@ -75,7 +76,7 @@ class StoreServer:
                 elif key and key.lstrip("/") == f"{MARK}{label}/end":
                     return out
                 elif inside:
-                    out[op] += 1
+                    out[f"{op} {key}" if keys else op] += 1
         raise RuntimeError(f"markers of '{label}' not both in the server's log")
 
     def stop(self) -> None:

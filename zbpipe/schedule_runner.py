@@ -17,6 +17,7 @@ from typing import Callable
 import torch.distributed as dist
 
 from . import _C
+from .control_plane import gloo_control_group, warn_if_default_nccl_group, warn_if_polled
 from .group_timeout import warn_if_not_below
 from .memory_probe import MemoryProbe, chrome_memory_events
 from .step_data import StepData
@@ -148,10 +149,12 @@ class ExecutorRunner:
             sync_groups = self._sync_groups(train)
             warn_if_not_below(self._options["timeout_s"], [self._group, *_flat(sync_groups)],
                               self._stages[0].device)
+            warn_if_default_nccl_group(self._group, self._stages[0].device)
+            warn_if_polled(self._group)
             ex = _C.Executor(
                 program, self._group, {s.stage_index: s for s in self._stages},
                 self._stages[0].device, **self._options, global_rank=self._world[0],
-                group_ranks=self._world[1], sync_groups=sync_groups)
+                group_ranks=self._world[1], sync_groups=sync_groups, control_group=gloo_control_group)
         except Exception as e:  # tell the peers, whatever the device: they would wait for this rank
             what = f"{type(e).__name__}: {e}"
             _C.Executor.report_setup_failure(self._group, _flat(self._sync_groups(train)), self._world[0], what)

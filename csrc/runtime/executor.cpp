@@ -120,7 +120,7 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
     ~StepScope() {
       ex.step_.data = nullptr;
       ex.step_.result = nullptr;
-      ex.failures_.disarm();  // the watcher polls only while a step runs
+      ex.failures_.disarm();  // polled stores: the watcher looks less often between steps
     }
   } scope{*this};
   step_.data = &data;
@@ -152,8 +152,9 @@ void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
     ensure_watch();
     failures_.arm();
     const std::function<void()> stop = [this] { failures_.check_stop(); };
+    const std::function<P2P&()> control = [this]() -> P2P& { return this->control(); };
     agreement_.before_step({*step_.data, first_inputs, failures_.step(), options_.timeout, failures_.watch(),
-                            failures_.id(), failures_.global(program_.rank_of(0)), stop});
+                            failures_.id(), failures_.global(program_.rank_of(0)), stop, control});
     meet_replicas_at_start();
   });
   step_.loss_scale = loss_scale;

@@ -139,6 +139,11 @@ size_t P2P::abandoned() {
   return g.batches.size();
 }
 
+void P2P::drop_done() {
+  watched_.erase(std::remove_if(watched_.begin(), watched_.end(), [](const Watched& w) { return w.batch->done; }),
+                 watched_.end());
+}
+
 void P2P::abandon_watched() {
   for (auto& w : watched_) abandon(std::move(w.batch));
   watched_.clear();
@@ -333,7 +338,7 @@ void P2P::abort_all() {
       }
     }
   }
-  if (completion_ == Completion::Stream || !device_.is_cpu()) {
+  if (aborts_group()) {
     // Accelerators (NCCL), and a backend modelling one: the host waits on nothing, the compute
     // stream may already wait on a receive that never comes; abort the communicators so the
     // kernels stuck on it end and the stream runs again.

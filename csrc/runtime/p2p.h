@@ -115,6 +115,10 @@ class P2P {
   Matching matching() const { return matching_; }
   Completion completion() const { return completion_; }
   bool stream_ordered() const { return matching_ == Matching::IssueOrder; }
+  // Whether abort_all ends the group's communicators (accelerators, and a backend modelling
+  // one), rather than the posted works one by one (Gloo).
+  bool aborts_group() const { return completion_ == Completion::Stream || !device_.is_cpu(); }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return pg_; }
 
   // Posts `ops` (non-empty) as one batch and returns it. Coalesced as `matching()` says. A
   // batch holding sends is watched until seen complete (see progress, settle). Completion::
@@ -166,6 +170,9 @@ class P2P {
   static size_t abandoned();
   // After a failure: abandons every watched batch (see abandon) and empties the list.
   void abandon_watched();
+  // Forgets the watched batches already complete (a wait completed them), without blocking:
+  // for a P2P whose sends are completed by waits rather than settle (control messages).
+  void drop_done();
 
  private:
   // A batch being completed, with its deadline.
