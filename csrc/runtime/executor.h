@@ -196,10 +196,10 @@ class Executor {
   void ensure_watch();
   // The pipeline's control messages (each step's input signature), opened at their first use.
   P2P& control();
-  // Tears the step down (abort_communication, abandon_in_flight), then tells the peers
-  // (StepFailures::publish) and throws PipelineError naming the failing action (`index`: its
-  // index, kStepStart or kStepEnd) and the cause `ex`, its text after `prefix`; Cancelled when
-  // interrupted.
+  // Tells the peers first (StepFailures::publish), then tears the step down
+  // (abort_communication, abandon_in_flight) and throws PipelineError naming the failing action
+  // (`index`: its index, kStepStart or kStepEnd) and the cause `ex`, its text after `prefix`;
+  // Cancelled when interrupted.
   [[noreturn]] void fail_step(int index, const std::exception& ex, const char* prefix = "");
   // Runs `f`; a std::exception it throws fails the step at `index`, its text after `prefix`.
   template <typename F>

@@ -70,9 +70,10 @@ void Executor::meet_replicas_at_start() {
 }
 
 void Executor::fail_step(int index, const std::exception& ex, const char* prefix) {
+  const StepFailures::Report report = failures_.publish(index, ex, prefix);  // the peers learn it first
   abort_communication();
   abandon_in_flight();
-  StepFailures::raise(failures_.publish(index, ex, prefix));
+  StepFailures::raise(report);
 }
 
 void Executor::abandon_in_flight() {

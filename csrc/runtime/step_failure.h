@@ -90,7 +90,8 @@ class StepFailures {
   // Marks the executor broken and tells the peers (or names the peer's failure that caused this
   // one): the report whose first line names the failing rank, stage and action (`index`, or
   // kStepStart, kStepEnd) and the cause `ex` (its text after `prefix`), with the program grid
-  // marked.
+  // marked. The failing rank publishes before it tears its step down and aborts its
+  // communicators (an NCCL abort may take its time): the peers learn it first.
   Report publish(int index, const std::exception& ex, const char* prefix = "");
   // Throws `report`: PipelineError, or zbpipe::Cancelled when this rank was interrupted.
   [[noreturn]] static void raise(const Report& report);
