@@ -67,6 +67,9 @@ std::string short_what(const std::exception& e) {
 void push_message(c10d::Store& store, StoreWaits waits, const std::string& key, const std::string& message) {
   if (waits == StoreWaits::Blocking) {
     store.queuePush(key, bytes(message));
+    // A HashStore (ranks as threads of one process) wakes one waiter per push, maybe the pop
+    // of another rank's inbox, which waits on again; a set wakes every waiter to look.
+    if (dynamic_cast<c10d::HashStore*>(&underlying(store))) store.set("zbpipe/inbox-pushed", std::vector<uint8_t>{});
     return;
   }
   const int64_t n = store.add(key + "/n", 1);
@@ -132,7 +135,7 @@ void InboxReader::stop(c10d::Store& store, const std::string& stop_message) {
   cv_.notify_all();
   if (waits_ != StoreWaits::Blocking) return;
   try {
-    store.queuePush(key_, bytes(stop_message));  // answers the blocked pop
+    push_message(store, waits_, key_, stop_message);  // answers the blocked pop
   } catch (const std::exception&) {
     // The store is gone: the blocked pop failed with it.
   }
