@@ -48,6 +48,7 @@ from .schedules import (  # noqa: E402
 from .schedule_auto import ScheduleAuto  # noqa: E402
 from .stage import PipelineStage  # noqa: E402
 from .stage_costs import profile_from_trace  # noqa: E402
+from .vocab_parallel import VocabParallelOutput  # noqa: E402
 
 __all__ = [
     "Action",
@@ -79,6 +80,7 @@ __all__ = [
     "ScheduleZBVZeroBubble",
     "SimResult",
     "SpanBound",
+    "VocabParallelOutput",
     "SplitPoint",
     "build_stage",
     "clip_grad_norm_",

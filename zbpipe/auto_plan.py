@@ -1,7 +1,8 @@
 """ScheduleAuto's planning, pure: from the pipeline's merged measurements (zbpipe/measurements.py)
 every candidate is built (the cost-driven ones under the budget in bytes) and simulated, and
 the choice is the fitting one of least predicted step; the near candidates a trial runs and the
-trial's verdict are taken here too. The same inputs give the same Tuning on every rank.
+trial's verdict are taken here too. The same inputs give the same Tuning on every rank; a Tuning
+is a value: what a trial, or the steps after the switch, learn is a new one.
 
     tuning = plan(measured, ["zb_h1", "1f1b", "zb_h2", "zb_auto"], None, safe=zbpipe.compile("zb_h1", 2, 4),
                   ran=[...the program of each timing step...])
@@ -23,7 +24,7 @@ from .stage_costs import compile_costs
 COST_DRIVEN = ("zb_auto", "v_half", "v_min")
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Candidate:
     name: str
     predicted_s: float | None  # simulated makespan under the measured costs plus the unmodelled
@@ -41,7 +42,7 @@ def _judge(name: str, program: _C.Program, model: dict, overhead_s: float, budge
     return Candidate(name, res.makespan + overhead_s, peak, fits)
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class Tuning:
     """What one tuning did: per stage the measured costs (seconds) and memory deltas (bytes),
     the P2P latency, the budget (bytes per rank), every candidate's prediction, the choice,
@@ -72,17 +73,17 @@ class Tuning:
         whether they fit the budget."""
         return _judge(program.schedule, program, self.model, self.overhead_s, self.budget)
 
-    def end_trial(self, order: Sequence[tuple[str, bool]], slowest: Sequence[float]) -> str:
-        """The trial's verdict from its steps (`order`: (candidate, counted) per step; `slowest`:
-        each step's wall time at its slowest rank): each tried candidate's trial_s, then the one
-        with the least median step becomes the choice (ties: the first in candidate order)."""
-        for c in self.candidates:
-            c.trial_s = [w for (name, counted), w in zip(order, slowest) if counted and name == c.name]
-        tried = [c for c in self.candidates if c.trial_s]
+    def after_trial(self, order: Sequence[tuple[str, bool]], slowest: Sequence[float]) -> Tuning:
+        """This tuning with the trial's verdict from its steps (`order`: (candidate, counted) per
+        step; `slowest`: each step's wall time at its slowest rank): each tried candidate's
+        trial_s, and as the choice the one with the least median step (ties: the first in
+        candidate order)."""
+        candidates = [dataclasses.replace(c, trial_s=[w for (name, counted), w in zip(order, slowest)
+                                                      if counted and name == c.name]) for c in self.candidates]
+        tried = [c for c in candidates if c.trial_s]
         least = min(statistics.median(c.trial_s) for c in tried)
         best = next(c for c in tried if statistics.median(c.trial_s) <= least * (1 + 1e-9))
-        self.choice, self.predicted_s = best.name, best.predicted_s
-        return best.name
+        return dataclasses.replace(self, candidates=candidates, choice=best.name, predicted_s=best.predicted_s)
 
     def table(self) -> str:
         ran = f" ({', '.join(self.timed)})" if self.timed else ""
@@ -165,10 +166,9 @@ def _near(fitting: list[Candidate], programs: dict, margin: float) -> list[str]:
     least = min(c.predicted_s for c in fitting)
     near, seen = [], set()
     for c in fitting:
-        text = programs[c.name].to_csv_text()
-        if c.predicted_s <= least * (1 + margin) and text not in seen:
+        if c.predicted_s <= least * (1 + margin) and programs[c.name] not in seen:
             near.append(c.name)
-            seen.add(text)
+            seen.add(programs[c.name])
     return near
 
 

@@ -21,6 +21,15 @@ rule (torch's pack hook and recomputation are kept as they are):
 A backward run inside the checkpointed forward itself keeps torch's rule. Regions created
 anywhere else (outside a zbpipe stage, or on another thread) are torch's, untouched.
 
+The overlap worker (DualPipeV's OVERLAP_F_B) runs a microbatch's backward while the executor's
+thread runs another's forward. A recomputation sets the global RNG to the state its forward
+saw and restores it after (torch's fork_rng), and both threads draw from that one generator:
+a forward drawing in between gets the recomputation's numbers and is then rewound, a
+recomputation drawing after the forward's draws gets other masks. So the regions a training
+forward creates are collected (``recompute_once(regions)``), and ``recompute_ahead`` recomputes
+them on the executor's thread right before their backward starts on the worker: the worker
+then draws nothing, and each region's recomputation draws what its forward drew.
+
 The mechanism is torch's own checkpoint with its unpack hook replaced: zbpipe wraps
 ``torch.utils.checkpoint._checkpoint_hook`` (a module global the checkpoint looks up at each
 call) at the first training forward. A torch whose checkpoint internals differ from those
@@ -53,6 +62,7 @@ _FRAME_NAMES = ("recompute_fn", "get_inputs", "saved_args", "weak_holders", "rec
 
 class _Scope(threading.local):
     training_forward = False  # a stage's training forward runs on this thread
+    regions: list | None = None  # where that forward's regions are collected (weakrefs)
 
 
 _scope = _Scope()
@@ -63,20 +73,34 @@ _missing: list[str] = []  # torch internals absent from this torch (checked at i
 
 class recompute_once:
     """Context of a stage's training forward: checkpointed regions created inside follow the
-    recompute-once rule above. Cheap to enter (a thread-local flag)."""
+    recompute-once rule above, and are collected into `regions` (weak references, for
+    recompute_ahead) when a list is given. Cheap to enter (a thread-local flag)."""
 
-    __slots__ = ("_prev",)
+    __slots__ = ("_prev", "_regions")
+
+    def __init__(self, regions: list | None = None):
+        self._regions = regions
 
     def __enter__(self):
         if _torch_hook is None:
             _install()
-        self._prev = _scope.training_forward
-        _scope.training_forward = True
+        self._prev = _scope.training_forward, _scope.regions
+        _scope.training_forward, _scope.regions = True, self._regions
         return self
 
     def __exit__(self, *exc):
-        _scope.training_forward = self._prev
+        _scope.training_forward, _scope.regions = self._prev
         return False
+
+
+def recompute_ahead(regions) -> None:
+    """Recomputes now, on this thread, each region of `regions` (weak references collected by
+    recompute_once) not recomputed yet: its backward, on another thread, then finds it done."""
+    for ref in regions:
+        frame = ref()
+        if frame is not None and frame.forward_completed and not frame.is_recomputed[_KEY] \
+                and frame.recompute_fn is not None:
+            _recompute(frame)
 
 
 def _install() -> None:
@@ -102,6 +126,8 @@ def _checkpoint_hook(frame):
     training forward, the recompute-once hook inside one."""
     if not _scope.training_forward:
         return _torch_hook(frame)
+    if _scope.regions is not None:
+        _scope.regions.append(weakref.ref(frame))
     missing = _missing + [f"the checkpoint frame's {n}" for n in _FRAME_NAMES if not hasattr(frame, n)]
     if missing:
         raise RuntimeError(

@@ -123,8 +123,19 @@ def build_parser() -> argparse.ArgumentParser:
                         help="memory per rank in --mem-f's units (schedules that take a cap; in "
                              "--compare, those that take this one)")
 
+    vocab = _Parser(add_help=False)
+    vocab.add_argument("--vocab-parallel", action="store_true",
+                       help="split the LM head over every rank: each rank's S and T passes and their "
+                            "collectives in the program (docs/vocab_parallel.md)")
+    vocab.add_argument("--s", type=_costs, default=[1.0], help="with --vocab-parallel: S pass time per rank (default 1)")
+    vocab.add_argument("--t", type=_costs, default=[1.0], help="with --vocab-parallel: T pass time per rank (default 1)")
+    vocab.add_argument("--collective", type=_latency, default=0.0,
+                       help="with --vocab-parallel: a collective's latency (default 0)")
+    vocab.add_argument("--mem-s", type=_costs, default=None,
+                       help="with --vocab-parallel: memory an S holds until its T, per rank (default 0)")
+
     fmt = argparse.RawDescriptionHelpFormatter
-    plan = sub.add_parser("plan", parents=[sched, memory], formatter_class=fmt, epilog=MEMORY_HELP,
+    plan = sub.add_parser("plan", parents=[sched, memory, vocab], formatter_class=fmt, epilog=MEMORY_HELP,
                           help="print the per-rank program as a slot grid at unit costs",
                           description="The schedule as a grid: ranks as rows, one column per time slot "
                                       "at unit costs (F = I = W = 1, B = 2), then its bubble rate and "
@@ -132,12 +143,12 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--from-trace", default=None, metavar="RANK0.json,RANK1.json,...",
                       help="plan from the per-stage costs (and memory deltas, bytes) measured in "
                            "saved Chrome traces (zbpipe.profile_from_trace); --memory-cap is then in bytes")
-    sim = sub.add_parser("simulate", parents=[sched, costs, memory], formatter_class=fmt,
+    sim = sub.add_parser("simulate", parents=[sched, costs, memory, vocab], formatter_class=fmt,
                          epilog=COSTS_HELP + MEMORY_HELP,
                          help="the simulator's numbers under a cost model")
     sim.add_argument("--compare", action="store_true",
                      help="one table over every schedule that accepts (pp, microbatches)")
-    draw = sub.add_parser("draw", parents=[sched, costs, memory], formatter_class=fmt,
+    draw = sub.add_parser("draw", parents=[sched, costs, memory, vocab], formatter_class=fmt,
                           epilog=COSTS_HELP + MEMORY_HELP,
                           help="a timeline picture (needs matplotlib)")
     draw.add_argument("-o", "--output", required=True, help="image file (.png, .svg, .pdf)")
@@ -214,6 +225,10 @@ def _compile(name: str, args, memory_cap: float | None) -> _C.Program:
     the memory model it will be simulated with, split over its stages; b_full is the
     simulator's alone (no builder runs a B)."""
     kw = {} if memory_cap is None else {"memory_cap": memory_cap}
+    if getattr(args, "vocab_parallel", False):  # placed under the costs it is simulated with
+        costs = _sim_costs(_stage_count(name, args), args) if hasattr(args, "f") else {}
+        kw.update(vocab_parallel=True, s=args.s, t=args.t, collective=args.collective,
+                  **{n: costs[n] for n in ("f", "b", "w", "comm") if n in costs})
     if "f" in schedule_options(name):
         stages = _stage_count(name, args)
         kw.update(_per_stage(args, ("mem_f", "mem_w"), stages))
@@ -229,6 +244,8 @@ def _simulated(prog: _C.Program, args) -> tuple[dict, _C.SimResult]:
     costs = _sim_costs(prog.num_stages, args) if hasattr(args, "f") else \
         dict(f=[1.0], b=[1.0], w=[1.0], b_full=None, comm=0.0)
     memory = _per_stage(args, ("mem_f", "mem_w"), prog.num_stages)
+    if getattr(args, "vocab_parallel", False):
+        memory.update(s=args.s, t=args.t, collective=args.collective, mem_s=args.mem_s)
     res = simulate(prog, costs["f"], costs["b"], costs["w"], costs["comm"], b_full=costs["b_full"],
                    **memory)
     return costs, res

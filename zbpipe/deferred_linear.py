@@ -2,7 +2,10 @@
 
 The stage's Linear layers run through an autograd Function whose backward computes only the
 input gradient and queues (input, grad_output) for the W action, which then does the weight
-and bias matmuls. No autograd-graph analysis is involved, so it is the simple alternative to
+and bias matmuls. Only the layers it computes exactly are taken: an nn.Linear whose forward is
+nn.Linear.forward, on plain Parameters. A subclass with a forward of its own (LoRA, QAT), a
+parametrized weight (parametrize, weight_norm) or a tensor-subclass parameter keeps its
+forward; the stage's report (PipelineStage.deferred_linear_report) names each and why. No autograd-graph analysis is involved, so it is the simple alternative to
 the executor's exact graph split (csrc/runtime/stage_backward.h); the other parameters of the
 stage get their gradients during the backward itself.
 
@@ -67,18 +70,36 @@ class _DeferredLinearFn(torch.autograd.Function):
 
 
 class DeferredLinearHook:
-    """Routes the nn.Linear layers of a module through _DeferredLinearFn while `queue` is set
-    (training forward) or `in_step` (the stage is running a training step: a checkpoint's
-    recomputation); otherwise (no_grad, shape inference, outside a step) they run F.linear."""
+    """Routes the nn.Linear layers of a module that it can take exactly (deferrable) through
+    _DeferredLinearFn while `queue` is set (training forward) or `in_step` (the stage is
+    running a training step: a checkpoint's recomputation); otherwise (no_grad, shape
+    inference, outside a step) they run F.linear. Every other Linear keeps its forward
+    (`not_deferred` says why)."""
 
     def __init__(self, module: torch.nn.Module):
         self.queue: list | None = None
         self.in_step = False
-        self.count = 0
-        for m in module.modules():
-            if isinstance(m, torch.nn.Linear):
+        self.deferred: list[str] = []
+        self.not_deferred: dict[str, str] = {}
+        for name, m in module.named_modules():
+            if not isinstance(m, torch.nn.Linear):
+                continue
+            why = not_deferrable(m)
+            if why is None:
                 m.forward = self._forward_for(m)
-                self.count += 1
+                self.deferred.append(name)
+            else:
+                self.not_deferred[name] = why
+
+    @property
+    def count(self) -> int:
+        return len(self.deferred)
+
+    def report(self) -> dict:
+        return {"deferred": list(self.deferred), "not_deferred": dict(self.not_deferred)}
+
+    def describe_not_deferred(self) -> str:
+        return "; ".join(f"'{n or '<the module>'}' ({why})" for n, why in self.not_deferred.items())
 
     def _forward_for(self, lin: torch.nn.Linear):
         def forward(x):
@@ -87,3 +108,22 @@ class DeferredLinearHook:
             return _DeferredLinearFn.apply(x, lin.weight, lin.bias, self.queue)
 
         return forward
+
+
+def not_deferrable(lin: torch.nn.Linear) -> str | None:
+    """Why `lin` must keep its own forward (None: its forward is nn.Linear's on plain
+    Parameters, which _DeferredLinearFn computes exactly)."""
+    if type(lin).forward is not torch.nn.Linear.forward:
+        return f"{type(lin).__qualname__} defines its own forward"
+    if "forward" in vars(lin):
+        return "its forward was replaced on the instance"
+    if torch.nn.utils.parametrize.is_parametrized(lin):
+        return "its parameters are parametrized (torch.nn.utils.parametrize)"
+    for pname in ("weight", "bias"):
+        p = lin._parameters.get(pname)
+        if p is None and (pname == "weight" or getattr(lin, "bias", None) is not None):
+            return (f"its {pname} is not a Parameter but computed before each forward "
+                    "(e.g. torch.nn.utils.weight_norm)")
+        if p is not None and type(p) is not torch.nn.Parameter:
+            return f"its {pname} is a {type(p).__qualname__}, not a plain Parameter"
+    return None

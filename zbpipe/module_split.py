@@ -37,7 +37,7 @@ class SparseModuleList(nn.ModuleList):
     append = extend = insert = __setitem__ = __delitem__ = __iadd__ = _refuse
 
 
-def _prune(module: nn.Module, prefix: str, keep: set[str]) -> nn.Module:
+def prune(module: nn.Module, prefix: str, keep: set[str]) -> nn.Module:
     """`module` (named `prefix` in the model) without the children that are neither kept nor
     an ancestor of a kept module: a list entry leaves the list (the result is then a
     SparseModuleList, the others keep their indices), a dict or Sequential entry leaves it, any other
@@ -48,7 +48,7 @@ def _prune(module: nn.Module, prefix: str, keep: set[str]) -> nn.Module:
         if fqn in keep:
             kept[name] = child
         elif any(k.startswith(fqn + ".") for k in keep):
-            kept[name] = _prune(child, fqn + ".", keep)
+            kept[name] = prune(child, fqn + ".", keep)
             if not isinstance(module, nn.ModuleList):
                 setattr(module, name, kept[name])
         elif isinstance(module, (nn.ModuleDict, nn.Sequential)):
@@ -63,7 +63,7 @@ def _prune(module: nn.Module, prefix: str, keep: set[str]) -> nn.Module:
 def split_by_fqn(model: nn.Module, module_names_per_stage: Sequence[Sequence[str]]) -> list[nn.Module]:
     """One module per stage: a deep copy of `model` that keeps the named submodules (dotted
     paths such as ``"tok_emb"``, ``"blocks.0"``) and their ancestors, the rest removed as
-    ``_prune`` says. Parameter and buffer names are those of `model`.
+    ``prune`` says. Parameter and buffer names are those of `model`.
 
     `model.forward` must tolerate the removals (skip a None child, loop over what a list holds,
     take the previous stage's output where its first part is gone). Raises ValueError naming
@@ -97,5 +97,5 @@ def split_by_fqn(model: nn.Module, module_names_per_stage: Sequence[Sequence[str
             raise ValueError(f"split_by_fqn: parameter '{pname}' would be in no stage: {why}")
     out = []
     for names in stages:
-        out.append(_prune(copy.deepcopy(model), "", set(names)))
+        out.append(prune(copy.deepcopy(model), "", set(names)))
     return out

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import _C
-from .module_split import _prune
+from .module_split import prune
 from .programs import compile as _compile
 from .schedules import PipelineSchedule
 from .stage import PipelineStage
@@ -86,7 +86,18 @@ class PartitionPlan:
     exact: bool
     simulated: int
     memory_budget: float | None
+    comm_s: float
     bounding_unit: str | None  # a unit whose own work exceeds a rank's balanced share
+    # vocab_parallel=True: the head's name, what every rank does and holds for its shard (per
+    # rank: s, t seconds, mem_s and static_bytes bytes; collective seconds), and the plan with
+    # the head on one rank (the best split without vocabulary parallelism), for comparison.
+    head: str | None = None
+    vocab: dict | None = None
+    head_on_one_rank: "PartitionPlan | None" = None
+
+    @property
+    def vocab_parallel(self) -> bool:
+        return self.vocab is not None
 
     @property
     def num_stages(self) -> int:
@@ -97,7 +108,20 @@ class PartitionPlan:
         return _stages_of(self.units, self.even_bounds)
 
     def program(self) -> _C.Program:
-        return _compile(self.schedule, self.pp, self.microbatches, self.num_stages // self.pp)
+        """The planned program; with vocab_parallel its S and T passes placed under the plan's
+        stage and head costs (the same program on every rank: the costs are gathered)."""
+        return _compile(self.schedule, self.pp, self.microbatches, self.num_stages // self.pp,
+                        **self.compile_options())
+
+    def compile_options(self) -> dict:
+        """zbpipe.compile's options for program() (also a schedule class's compile_options): with
+        vocab_parallel, the stage costs and the head's, which place its passes."""
+        if self.vocab is None:
+            return {}
+        c = self.stage_costs()
+        return dict(vocab_parallel=True, f=c["f"], b=c["b"], w=c["w"], b_full=c["b_full"], comm=self.comm_s,
+                    s=self.vocab["s"],
+                    t=self.vocab["t"], collective=self.vocab["collective"])
 
     def torchtitan_config(self) -> dict:
         """torchtitan's [parallelism] fields for this plan: its degree, its schedule by class
@@ -158,13 +182,27 @@ class PartitionPlan:
         for u in self.units:
             lines.append(f"{u.fqn:<24} {u.f * 1e3:8.3f} {u.i * 1e3:8.3f} {u.w * 1e3:8.3f} {u.b * 1e3:8.3f} "
                          f"{u.mem_f / mib:9.3f} {u.mem_w / mib:9.3f} {u.static_bytes / mib:10.3f}")
+        if self.vocab is not None:
+            one = self.head_on_one_rank
+            v = self.vocab
+            lines.append(f"head '{self.head}' split over the {self.pp} ranks (vocabulary parallelism): S "
+                         f"{max(v['s']) * 1e3:.3f} ms, T {max(v['t']) * 1e3:.3f} ms per microbatch and rank; its "
+                         f"shard {max(v['static_bytes']) / mib:.1f} MiB static, {max(v['mem_s']) / mib:.1f} MiB "
+                         "per microbatch from S to T")
+            lines.append(f"{'head':<14} {'schedule':<17} {'step ms':>9} {'peak MiB per rank'}")
+            lines.append(f"{'split':<14} {self.schedule:<17} {self.predicted_step_s * 1e3:9.3f} {peaks(self.peak_bytes)}")
+            if one is not None:
+                lines.append(f"{'on one rank':<14} {one.schedule:<17} {one.predicted_step_s * 1e3:9.3f} "
+                             f"{peaks(one.peak_bytes)}  (split / one rank: step "
+                             f"{self.predicted_step_s / one.predicted_step_s:.2f}x, largest peak "
+                             f"{max(self.peak_bytes) / max(one.peak_bytes):.2f}x)")
         if self.bounding_unit is not None:
             u = next(u for u in self.units if u.fqn == self.bounding_unit)
             share = sum(v.f + v.i + v.w for v in self.units) / self.pp
             lines.append(f"unit '{u.fqn}' bounds the step on its own: its F+I+W ({(u.f + u.i + u.w) * 1e3:.3f} ms "
                          f"per microbatch) exceeds a rank's balanced share ({share * 1e3:.3f} ms), so no split "
                          "balances the ranks; splitting that unit across ranks (vocabulary parallelism for an "
-                         "LM head) is the next step")
+                         "LM head: plan_partition(..., vocab_parallel=True)) is the next step")
         return "\n".join(lines)
 
 
@@ -238,7 +276,7 @@ def _unit_module(model: nn.Module, group: tuple[str, ...]) -> nn.Module:
     """`model` keeping only the unit's modules, as split_by_fqn keeps a stage's, sharing its
     parameters and buffers (no copy of the weights)."""
     memo = {id(t): t for t in (*model.parameters(), *model.buffers())}
-    return _prune(copy.deepcopy(model, memo), "", set(group))
+    return prune(copy.deepcopy(model, memo), "", set(group))
 
 
 def _one_process_group() -> dist.ProcessGroup:
@@ -372,7 +410,8 @@ def plan_partition(model: nn.Module, mb_args, *, pp: int, microbatches: int, los
                    schedules: Sequence[str] | None = None, memory_budget: float | None = None,
                    device: torch.device | str | None = None, group=None, comm_s: float = 0.0,
                    optimizer_states: float = 2.0, measure_steps: int = 3,
-                   exhaustive_limit: int = 50_000) -> PartitionPlan:
+                   exhaustive_limit: int = 50_000, vocab_parallel: bool = False,
+                   head: str | None = None) -> PartitionPlan:
     """The split of `model` into contiguous groups of `units` and the schedule (a compile name)
     with the least simulated step whose peak bytes per rank fit `memory_budget`.
 
@@ -391,10 +430,18 @@ def plan_partition(model: nn.Module, mb_args, *, pp: int, microbatches: int, los
     the cross-rank latency the simulation adds per message. Searches every split where a
     schedule has at most `exhaustive_limit` of them, else a local search from the min-max split.
 
+    vocab_parallel: plan the layers with the LM head split over every rank (zbpipe.
+    VocabParallelOutput; docs/vocab_parallel.md): `head` (default: the last unit, an nn.Linear)
+    is measured as every unit is and, on its largest shard, as the S and T passes of the
+    vocabulary-parallel runtime; the other units are split with every rank doing its shard's S
+    and T (placed in each candidate's program as compile(..., vocab_parallel=True) places them)
+    and holding its shard. The plan (module_fqns_per_stage without the head, program() with the
+    passes) keeps the best split with the head on one rank as head_on_one_rank; table() shows both.
+
     Raises ValueError, on every rank, before anything runs: a unit list that leaves a parameter
     out, names a unit twice or names a non-module; pp larger than the number of units; a budget
     no split fits (with the smallest peak found); a forward that fails with a unit alone in its
-    stage (naming the unit)."""
+    stage (naming the unit); with vocab_parallel, a head that is not one nn.Linear unit."""
     if not isinstance(pp, int) or pp < 1 or not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"plan_partition: pp and microbatches must be integers >= 1, got {pp!r}, {microbatches!r}")
     if measure_steps < 1:
@@ -411,16 +458,109 @@ def plan_partition(model: nn.Module, mb_args, *, pp: int, microbatches: int, los
     if pp > len(units):
         raise ValueError(f"plan_partition: pp={pp} is larger than the number of units ({len(units)}: "
                          f"{['+'.join(g) for g in units]}); give finer units or a smaller pp")
+    head_index = _head_unit(model, units, head) if vocab_parallel else None
     programs, skipped = _programs(schedules, pp, microbatches, len(units))
     try:
         measured: list | str = _measure(model, units, mb_args, mb_kwargs, mb_target, loss_fn, device, measure_steps)
+        if head_index is not None:
+            measured.append(_measure_head(model, units, head_index, mb_args, mb_kwargs, mb_target, pp, device,
+                                          measure_steps))
     except ValueError as e:
         measured = str(e)
     rows = _gathered(measured, group)
     static = _static_bytes(model, units, optimizer_states)
     costs = [UnitCost("+".join(g), *(float(v) for v in row[:4]), row[4], row[5], *static[k], modules=g)
              for k, (g, row) in enumerate(zip(units, rows))]
-    return _search(costs, programs, skipped, pp, microbatches, memory_budget, comm_s, exhaustive_limit)
+    plan = _search(costs, programs, skipped, pp, microbatches, memory_budget, comm_s, exhaustive_limit)
+    if head_index is None:
+        return plan
+    layers = costs[:head_index] + costs[head_index + 1:]
+    vocab = _vocab_model(model.get_submodule(units[head_index][0]), rows[-1], pp, comm_s, optimizer_states)
+    split = _search(layers, programs, skipped, pp, microbatches, memory_budget, comm_s, exhaustive_limit, vocab)
+    split.head, split.head_on_one_rank = costs[head_index].fqn, plan
+    return split
+
+
+def _head_unit(model: nn.Module, units: list[tuple[str, ...]], head: str | None) -> int:
+    """The index of the head's unit: `head`, or the last unit; ValueError unless it is one
+    nn.Linear module on its own."""
+    index = len(units) - 1 if head is None else next((k for k, g in enumerate(units) if head in g), None)
+    if index is None:
+        raise ValueError(f"plan_partition: head '{head}' is not a unit ({['+'.join(g) for g in units]})")
+    group = units[index]
+    module = model.get_submodule(group[0])
+    if len(group) != 1 or not isinstance(module, nn.Linear):
+        raise ValueError(f"plan_partition(vocab_parallel=True): the head must be one nn.Linear unit, got unit "
+                         f"'{'+'.join(group)}' ({type(module).__name__}); name it with head=")
+    return index
+
+
+def _measure_head(model, units, head_index, mb_args, mb_kwargs, mb_target, pp, device, steps) -> list[float]:
+    """[S, T, 0, 0, mem_s, 0] of the head's largest shard (ceil(V / pp) rows) on one microbatch:
+    the executor's S and T entries timed in a one-rank pipeline of the vocabulary-parallel head,
+    on the hidden states the model without its head gives; mem_s is what an S keeps for its T
+    (the shard's softmax in fp32, the head's input)."""
+    from .schedules import Schedule1F1B
+    from .vocab_parallel import VocabParallelOutput
+
+    head = model.get_submodule(units[head_index][0])
+    rows = -(-head.out_features // pp)
+    body = prune(copy.deepcopy(model, {id(t): t for t in (*model.parameters(), *model.buffers())}), "",
+                  {n for k, g in enumerate(units) if k != head_index for n in g})
+    with torch.no_grad(), torch.random.fork_rng(devices=[] if device.type == "cpu" else [device]):
+        hidden = body(*mb_args, **mb_kwargs)
+    if not isinstance(hidden, torch.Tensor) or hidden.shape[-1] != head.in_features:
+        raise ValueError(f"plan_partition(vocab_parallel=True): the model without its head returns "
+                         f"{type(hidden).__name__}{list(getattr(hidden, 'shape', []))}, not hidden states of width "
+                         f"{head.in_features} (the head's input)")
+    tokens = hidden.shape[:-1]
+    if isinstance(mb_target, torch.Tensor) and not mb_target.is_floating_point() and mb_target.shape == tokens:
+        target = mb_target.remainder(rows)
+    else:
+        target = torch.randint(rows, tuple(tokens), generator=torch.Generator().manual_seed(0))
+    shard = nn.Linear(head.in_features, rows, bias=head.bias is not None, device=device, dtype=head.weight.dtype)
+    with torch.no_grad():
+        shard.weight.copy_(head.weight[:rows])
+        if head.bias is not None:
+            shard.bias.copy_(head.bias[:rows])
+    pg = _one_process_group()
+    stage = PipelineStage(_Passthrough(hidden.dtype), 0, 1, device, group=pg)
+    sched = Schedule1F1B(stage, 1, output=VocabParallelOutput(shard, group=pg))
+    times: dict[str, list[float]] = {"S": [], "T": []}
+    for k in range(steps + 1):
+        sched.step(hidden.detach(), target=target.to(device))
+        if k == 0:
+            continue  # warm-up
+        for rec in sched.trace():
+            kind = rec["action"].strip("0123456789")  # "0S0" -> "S"
+            if kind in times:
+                times[kind].append((rec["host_end_ns"] - rec["host_start_ns"] - rec["wait_ns"]) * 1e-9)
+    n = hidden[..., 0].numel()
+    mem_s = n * rows * 4 + hidden.numel() * hidden.element_size()
+    return [statistics.median(times["S"]), statistics.median(times["T"]), 0.0, 0.0, float(mem_s), 0.0]
+
+
+class _Passthrough(nn.Module):
+    """A stage that hands its input on as its output, through one scalar parameter (so the
+    output has a gradient graph, as a real last stage's does)."""
+
+    def __init__(self, dtype):
+        super().__init__()
+        self.one = nn.Parameter(torch.ones((), dtype=dtype))
+
+    def forward(self, x):
+        return x * self.one
+
+
+def _vocab_model(head: nn.Linear, measured: list[float], pp: int, comm_s: float, optimizer_states: float) -> dict:
+    """The head's per-rank S, T (scaled from the largest shard by its rows), mem_s and static
+    bytes (its rows' parameters, gradients and optimizer states), as the core's VocabPlan."""
+    vocab, rows_max = head.out_features, -(-head.out_features // pp)
+    rows = [(r + 1) * vocab // pp - r * vocab // pp for r in range(pp)]
+    per_row = (head.in_features + (1 if head.bias is not None else 0)) * head.weight.element_size()
+    return dict(s=[measured[0] * n / rows_max for n in rows], t=[measured[1] * n / rows_max for n in rows],
+                mem_s=[measured[4] * n / rows_max for n in rows], collective=comm_s,
+                static_bytes=[n * per_row * (2 + optimizer_states) for n in rows])
 
 
 def unit_profile(units: Sequence[UnitCost]) -> _C.UnitProfile:
@@ -429,11 +569,13 @@ def unit_profile(units: Sequence[UnitCost]) -> _C.UnitProfile:
 
 
 def _search(costs: list[UnitCost], programs: list, skipped: list, pp: int, microbatches: int,
-            memory_budget: float | None, comm_s: float, exhaustive_limit: int) -> PartitionPlan:
-    """The core's search over the candidates, and the plan around its answer."""
+            memory_budget: float | None, comm_s: float, exhaustive_limit: int, vocab: dict | None = None) -> PartitionPlan:
+    """The core's search over the candidates, and the plan around its answer (vocab: the head
+    split over the ranks, the core's VocabPlan as a dict)."""
     profile = unit_profile(costs)
     budget = 0.0 if memory_budget is None else float(memory_budget)
-    res = _C.plan_partition(programs, profile, comm=comm_s, memory_budget=budget, exhaustive_limit=exhaustive_limit)
+    res = _C.plan_partition(programs, profile, comm=comm_s, memory_budget=budget, exhaustive_limit=exhaustive_limit,
+                            vocab=vocab)
     if res.program < 0:
         least = res.least_peak
         raise ValueError(
@@ -442,16 +584,16 @@ def _search(costs: list[UnitCost], programs: list, skipped: list, pp: int, micro
             f"{[hi - lo for lo, hi in zip(least.bounds, least.bounds[1:])]})")
     chosen = programs[res.program]
     even = _C.even_bounds(len(costs), chosen.num_stages)
-    even_score = _C.score_split(chosen, profile, even, comm_s, budget)
+    even_score = _C.score_split(chosen, profile, even, comm_s, budget, vocab)
     candidates = [(p.schedule, r.makespan if r.bounds and r.fits else None, max(r.peak_bytes) if r.bounds else None)
                   for p, r in zip(programs, res.per_program)] + [(name, None, None) for name, _ in skipped]
-    share = sum(u.f + u.i + u.w for u in costs) / pp
+    share = (sum(u.f + u.i + u.w for u in costs) + (sum(vocab["s"]) + sum(vocab["t"]) if vocab else 0.0)) / pp
     heavy = max(costs, key=lambda u: u.f + u.i + u.w)
     return PartitionPlan(
         module_fqns_per_stage=_stages_of(costs, res.best.bounds), schedule=chosen.schedule,
         predicted_step_s=res.best.makespan, peak_bytes=list(res.best.peak_bytes), units=costs, pp=pp,
         microbatches=microbatches, bounds=list(res.best.bounds), even_bounds=list(even),
         even_step_s=even_score.makespan, even_peak_bytes=list(even_score.peak_bytes), candidates=candidates,
-        exact=res.exact, simulated=res.simulated, memory_budget=memory_budget,
-        bounding_unit=heavy.fqn if heavy.f + heavy.i + heavy.w > share else None)
+        exact=res.exact, simulated=res.simulated, memory_budget=memory_budget, comm_s=comm_s,
+        bounding_unit=heavy.fqn if heavy.f + heavy.i + heavy.w > share else None, vocab=vocab)
 

@@ -179,7 +179,7 @@ class _TracedStage(PipelineStage):
     """A PipelineStage over a split submodule: calls it through the pipe's routing plan."""
 
     def __init__(self, submodule, stage_index, info: PipeInfo, device, group=None, **kwargs):
-        super().__init__(submodule, stage_index, info.num_stages, device, group, **kwargs)
+        super().__init__(submodule, stage_index, info.num_stages, device, group=group, **kwargs)
         self._pipe_info = info
 
     def _invoke(self, fn, args: tuple, kwargs: dict):

@@ -8,7 +8,7 @@ import json
 from dataclasses import dataclass
 
 from . import _C
-from .timeline_text import chunk_of
+from .timeline_text import VOCAB_PASSES, chunk_of
 
 COLORS = {
     "F": "#4c78a8",
@@ -16,6 +16,8 @@ COLORS = {
     "I": "#f58518",
     "W": "#54a24b",
     "OVERLAP_F_B": "#e45756",
+    "S": "#eeca3b",  # vocabulary parallelism: a shard's S pass
+    "T": "#9d755d",  # and its T pass
 }
 COMM_COLOR = "#555555"
 
@@ -43,7 +45,10 @@ class Arrow:
 
 
 def program_boxes(program: _C.Program, result: _C.SimResult, comm: float):
-    """Boxes for every simulated compute, arrows for every output that crosses ranks."""
+    """Boxes for every simulated compute, arrows for every output that crosses ranks. With
+    vocabulary parallelism also the S and T passes, the collectives' arrows (the broadcast from
+    the last stage's rank, the reduction back to it) and each all-reduce as a communication
+    bar from a rank's post to its completion."""
     boxes, arrows = [], []
     last = program.num_stages - 1
     rank_of = program.stage_to_rank
@@ -51,6 +56,9 @@ def program_boxes(program: _C.Program, result: _C.SimResult, comm: float):
         a = e.action
         parts = list(a.sub_actions) if a.kind == _C.Kind.OVERLAP_F_B else [a]
         label = "/".join(str(p.microbatch) for p in parts)
+        if a.kind in VOCAB_PASSES:
+            boxes.append(Box(e.rank, a.kind.name, label, e.start, e.end))
+            continue
         chunk = chunk_of(program, parts[0].stage)
         boxes.append(Box(e.rank, a.kind.name, label, e.start, e.end, chunk))
         for p in parts:
@@ -62,6 +70,16 @@ def program_boxes(program: _C.Program, result: _C.SimResult, comm: float):
                 continue
             if dst != e.rank:
                 arrows.append(Arrow(e.rank, dst, e.end, e.end + comm))
+    root = rank_of[last]
+    for e in result.collectives:
+        kind = e.action.kind
+        if kind == _C.Kind.ALLREDUCE_S:
+            boxes.append(Box(e.rank, "COMM", str(e.action.microbatch), e.start, e.end))
+        elif e.rank != root:  # BCAST_F: from the root to this rank; REDUCE_B: back to the root
+            posted = next(c.start for c in result.collectives if c.rank == root and c.action.kind == kind
+                          and c.action.microbatch == e.action.microbatch)
+            arrows.append(Arrow(root, e.rank, posted, e.end) if kind == _C.Kind.BCAST_F
+                          else Arrow(e.rank, root, e.start, e.end))
     return boxes, arrows
 
 
@@ -110,16 +128,21 @@ def load_trace(path: str, lane: int | None = None) -> list[Box]:
     stages: dict[int, set[int]] = {}
     for rank, _, actions, _, _ in parsed:
         for a in actions:
-            stages.setdefault(rank, set()).update(p.stage for p in a.sub_actions or [a])
+            stages.setdefault(rank, set()).update(p.stage for p in a.sub_actions or [a] if not _vocab(p))
     boxes = []
     for rank, _, actions, ts, dur in parsed:
         a = actions[0]
         parts = a.sub_actions or [a]
-        chunk = sorted(stages[rank]).index(parts[0].stage)
+        chunk = 0 if _vocab(a) else sorted(stages[rank]).index(parts[0].stage)
         kind = a.kind.name if len(actions) == 1 and a.is_compute else "COMM"
         label = "/".join(str(p.microbatch) for p in parts)
         boxes.append(Box(rank, kind, label, (ts - t0) / 1e3, (ts - t0 + dur) / 1e3, chunk))
     return boxes
+
+
+def _vocab(action: _C.Action) -> bool:
+    """A vocabulary action: its leading number is the rank's shard, not a stage."""
+    return action.kind in VOCAB_PASSES or action.kind in (_C.Kind.BCAST_F, _C.Kind.ALLREDUCE_S, _C.Kind.REDUCE_B)
 
 
 def _lighter(color: str, amount: float = 0.45) -> tuple[float, float, float]:
@@ -130,9 +153,14 @@ def _lighter(color: str, amount: float = 0.45) -> tuple[float, float, float]:
 def draw(boxes: list[Box], arrows: list[Arrow], pp: int, path: str, *, size=(1600, 400),
          title: str = "", time_unit: str = "cost units") -> None:
     """Writes the picture to `path` (format from its extension) at exactly `size` pixels."""
+    figure(boxes, arrows, pp, size=size, title=title, time_unit=time_unit).savefig(path, dpi=100)
+
+
+def figure(boxes: list[Box], arrows: list[Arrow], pp: int, *, size=(1600, 400), title: str = "",
+           time_unit: str = "cost units"):
+    """The picture of draw() as a matplotlib Figure (100 dpi)."""
     from matplotlib.collections import LineCollection
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     dpi = 100
     fig = Figure(figsize=(size[0] / dpi, size[1] / dpi), dpi=dpi)
@@ -166,12 +194,23 @@ def draw(boxes: list[Box], arrows: list[Arrow], pp: int, path: str, *, size=(160
     ax.set_xlabel(f"time ({time_unit})")
     if title:
         ax.set_title(title, fontsize=10)
-    kinds = sorted({b.kind for b in boxes if b.kind != "COMM"}, key=list(COLORS).index)
-    handles = [Patch(color=COLORS[k], label=k) for k in kinds]
-    if any(b.chunk % 2 for b in boxes):
-        handles.append(Patch(color=_lighter("#777777"), label="second stage on the rank"))
-    if arrows or any(b.kind == "COMM" for b in boxes):
-        handles.append(Patch(color=COMM_COLOR, label="communication"))
+    handles = legend_handles(boxes, comm=bool(arrows) or any(b.kind == "COMM" for b in boxes))
     fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=len(handles),
                fontsize=8, frameon=False)
-    fig.savefig(path, dpi=dpi)
+    return fig
+
+
+def legend_handles(boxes: list[Box], comm: bool = False) -> list:
+    """Legend patches: one per compute kind drawn; where a rank holds two stages (V), the dark
+    and light shades of its first and second stage; communication where drawn."""
+    from matplotlib.patches import Patch
+
+    order = list(COLORS)
+    kinds = sorted({b.kind for b in boxes if b.kind != "COMM"}, key=lambda k: order.index(k) if k in order else 99)
+    handles = [Patch(color=COLORS.get(k, "#999999"), label=k) for k in kinds]
+    if any(b.chunk % 2 for b in boxes):
+        handles += [Patch(color="#777777", label="dark: the rank's first stage"),
+                    Patch(color=_lighter("#777777"), label="light: its second stage")]
+    if comm:
+        handles.append(Patch(color=COMM_COLOR, label="communication"))
+    return handles

@@ -41,6 +41,13 @@ def compile(
     exhaustive_search: bool = False,
     search_threads: int | None = None,
     refine: bool | None = None,
+    vocab_parallel: bool = False,
+    s: Cost | None = None,
+    t: Cost | None = None,
+    collective: float | None = None,
+    mem_s: Cost | None = None,
+    backlog: int | None = None,
+    lookahead: int | None = None,
 ) -> _C.Program:
     """Builds, lowers (SEND/RECV) and validates a schedule; raises ScheduleError on bad input.
 
@@ -60,6 +67,17 @@ def compile(
     search's pick, never worse on makespan or bubble; ``refine=False`` gives the heuristics'
     pick alone, the figures the Zero Bubble paper publishes (zb_auto) and the V paper's
     reference implementation's (v_half, v_min).
+
+    ``vocab_parallel=True`` adds vocabulary parallelism (docs/vocab_parallel.md): every rank
+    gets the S and T passes of its shard of the LM head for every microbatch (``1S0``,
+    ``1T0``) and the collectives between them (``BCAST_F``, ``ALLREDUCE_S``, ``REDUCE_B``),
+    placed by a timed run of the program under the stage costs (``f``, ``b``, ``w``, ``b_full``,
+    ``comm``: every schedule takes them then) and the head's: ``s`` and ``t`` (per rank or one value),
+    ``collective`` (a collective's latency), ``mem_s`` (what an S holds until its T) and
+    ``backlog`` (the most microbatches a rank holds between S and T, default 2) and
+    ``lookahead`` (the forwards a rank may run ahead of the schedule's order where it would
+    wait for the head, default 2; 0 keeps the order). Any of these without ``vocab_parallel``
+    raises ScheduleError.
     """
     def optional_int(name, value):
         return None if value is None else _door.integer("compile", name, value, bits=32)
@@ -80,6 +98,13 @@ def compile(
         exhaustive_search=exhaustive_search,
         search_threads=optional_int("search_threads", search_threads),
         refine=refine,
+        vocab_parallel=bool(vocab_parallel),
+        s=_given("s", s),
+        t=_given("t", t),
+        collective=None if collective is None else _door.number("compile", "collective", collective),
+        mem_s=_given("mem_s", mem_s),
+        backlog=optional_int("backlog", backlog),
+        lookahead=optional_int("lookahead", lookahead),
     )
 
 
@@ -98,6 +123,10 @@ def simulate(
     b_full: Cost | None = None,
     mem_f: Cost = 1.0,
     mem_w: Cost | None = None,
+    s: Cost = 1.0,
+    t: Cost = 1.0,
+    collective: float = 0.0,
+    mem_s: Cost | None = None,
 ) -> _C.SimResult:
     """Simulates `program`: f forward, b backward-input, w backward-weight (per stage or one
     value); a full backward B costs b + w unless b_full is given; comm is the cross-rank latency.
@@ -106,7 +135,13 @@ def simulate(
     starts, a full B frees it when it ends, I frees ``mem_f - mem_w`` and W frees ``mem_w`` when
     they end (per stage or one value; ``mem_w=None`` means mem_w = mem_f: I frees nothing).
     ``peak_activations`` counts microbatches live from F to their last backward, whatever the
-    model."""
+    model.
+
+    A vocabulary-parallel program (``compile(..., vocab_parallel=True)``) has its S and T
+    passes cost ``s`` and ``t`` (per rank or one value), each collective completes
+    ``collective`` after its last rank posted it (``SimResult.collectives``: one event per
+    rank's post, until the completion), a REDUCE_B waits for its ALLREDUCE_S, and an S holds
+    ``mem_s`` (per rank, in mem_f's units) until its T ends."""
     if not isinstance(program, _C.Program):
         raise _door.wrong_type("simulate", "program", "a zbpipe.Program", program)
     return _C.simulate(
@@ -118,6 +153,10 @@ def simulate(
         _door.number("simulate", "comm", comm),
         _door.costs("simulate", "mem_f", mem_f),
         _costs("simulate", "mem_w", mem_w),
+        _door.costs("simulate", "s", s),
+        _door.costs("simulate", "t", t),
+        _door.number("simulate", "collective", collective),
+        _costs("simulate", "mem_s", mem_s),
     )
 
 

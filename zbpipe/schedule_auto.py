@@ -10,8 +10,8 @@ group, so every rank plans every candidate of the placement from identical input
 simulated peak memory fits the budget (with trial_steps, the fastest in real steps of those
 predicted near the least). It runs from the step after. `sched.tuning` says what happened.
 
-This file holds the steps: a tuning's phases (_Timing, _Trial) as values, one per state, and
-the schedules each step runs.
+This file holds the steps: the placement and options (frozen), a tuning's phases (_Timing,
+_Trial) as values replaced at each step, and the schedules each step runs, one per program.
 """
 
 from __future__ import annotations
@@ -19,15 +19,13 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable
+from typing import Any, Callable
 
-import torch
-
-from . import _C
+from . import _C, _tree
 from .auto_plan import COST_DRIVEN, Candidate, Tuning, plan  # noqa: F401  (Candidate, Tuning: importable here)
 from .measurements import RankMeasurements, boundary_bytes, gather, merge, ring_hop_s
 from .programs import compile as _compile
-from .schedules import PipelineSchedule, _OneRunning, _rank_stages
+from .schedules import PipelineSchedule, OneRunning, rank_stages
 from .stage_costs import profile_from_trace
 
 # placement -> (safe default, candidates). Cost-driven candidates plan with the measurements.
@@ -47,20 +45,7 @@ _MEASURED_STEPS = 5  # steps after a switch whose median is Tuning.measured_step
 
 def _shapes(args, kwargs) -> list:
     """The shapes and dtypes of a step's tensor arguments (lists of microbatches included)."""
-    out = []
-
-    def walk(v):
-        if isinstance(v, torch.Tensor):
-            out.append((tuple(v.shape), v.dtype))
-        elif isinstance(v, (list, tuple)):
-            for x in v:
-                walk(x)
-        elif isinstance(v, dict):
-            for k in sorted(v, key=str):
-                walk(v[k])
-    walk(list(args))
-    walk({k: v for k, v in kwargs.items() if k != "losses"})  # an output, filled by the step
-    return out
+    return _tree.tensor_specs((list(args), {k: v for k, v in kwargs.items() if k != "losses"}))  # losses: an output
 
 
 def placement_of(stage_indices: list[int], rank: int, pp: int, num_stages: int) -> str:
@@ -77,20 +62,73 @@ def placement_of(stage_indices: list[int], rank: int, pp: int, num_stages: int) 
         "placement family (one stage per rank: [rank]; V: [rank, 2pp-1-rank]; looped: rank, rank+pp, ...)")
 
 
-# ---- the phases of a tuning: ScheduleAuto._phase is one of these ---------------------------
+# ---- what a ScheduleAuto is: its placement and its options, fixed at construction -----------
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """This rank's stages (in stage order) on the pipeline group, and their family ('one',
+    'v' or 'looped': placement_of), whose safe default and candidates (FAMILIES) it plans."""
+    stages: tuple
+    group: Any
+    pp: int
+    rank: int
+    num_stages: int
+    family: str
+
+    @classmethod
+    def of(cls, stages: list) -> Placement:
+        first = stages[0]
+        family = placement_of([s.stage_index for s in stages], first.group_rank, first.group_size, first.num_stages)
+        return cls(tuple(stages), first.group, first.group_size, first.group_rank, first.num_stages, family)
+
+    @property
+    def safe(self) -> str:
+        return FAMILIES[self.family][0]
+
+    @property
+    def candidates(self) -> tuple[str, ...]:
+        return FAMILIES[self.family][1]
+
+    @property
+    def mine(self) -> list[int]:
+        return [s.stage_index for s in self.stages]
+
+    def compile(self, name: str, microbatches: int) -> _C.Program:
+        """`name`'s program over this placement (a fixed schedule: no costs)."""
+        return _compile(name, self.pp, microbatches, self.num_stages // self.pp)
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the user asked of the tuning (ScheduleAuto's arguments), and the schedule classes'
+    keywords every schedule it runs gets."""
+    n_microbatches: int
+    loss_fn: Callable
+    activation_budget: float | None
+    retune_every: int | None
+    timing_steps: int
+    trial_steps: int
+    trial_margin: float
+    clock: str                 # where the actions are timed: "device" (events) or "host"
+    schedule_kwargs: dict      # read only
+
+
+# ---- the phases of a tuning: ScheduleAuto._phase is one of these values, each step a new one --
+
+@dataclasses.dataclass(frozen=True)
 class _Settled:
     """No tuning under way: a step runs the current program, or starts a tuning when one is due
-    (the first step, and with retune_every steps kN + 1)."""
+    (the first step, and with retune_every steps kN + 1). `after`: the wall times of the steps
+    since the last switch, the first _MEASURED_STEPS of them (Tuning.measured_step_s)."""
+    after: tuple[float, ...] = ()
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Refused:
     """A shape change ended a tuning early: the next step starts a fresh one."""
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class _Timing:
     """Between a tuning's memory step and its last timing step."""
     measuring: PipelineSchedule         # the split schedule that measured memory (and times)
@@ -98,9 +136,9 @@ class _Timing:
     deltas: dict                        # its memory profile of the memory step
     shapes: list                        # the memory step's shapes (_shapes): every step must bring them
     first: int                          # the memory step's number
-    records: list = dataclasses.field(default_factory=list)  # the timing steps' traces, pooled
-    walls: list[float] = dataclasses.field(default_factory=list)  # each timing step's wall time
-    ran: list = dataclasses.field(default_factory=list)  # the program each timing step ran
+    records: tuple = ()                 # the timing steps' traces, pooled
+    walls: tuple[float, ...] = ()       # each timing step's wall time
+    ran: tuple = ()                     # the program each timing step ran
 
     def next_schedule(self) -> PipelineSchedule:
         """The next timing step's: the split schedule first, then every second step the fused
@@ -108,15 +146,19 @@ class _Timing:
         odd = len(self.walls) % 2 == 1
         return self.fused if odd and self.fused is not None else self.measuring
 
+    def after_step(self, wall: float, trace: list, program: _C.Program) -> _Timing:
+        return dataclasses.replace(self, records=self.records + tuple(trace), walls=self.walls + (wall,),
+                                   ran=self.ran + (program,))
 
-@dataclasses.dataclass
+
+@dataclasses.dataclass(frozen=True)
 class _Trial:
     """The near candidates in real steps (trial_steps), before the choice."""
-    order: list[tuple[str, bool]]       # per step: (candidate, counted); uncounted ones warm up
-    schedules: dict[str, PipelineSchedule]  # the candidate's schedule
+    order: tuple[tuple[str, bool], ...]  # per step: (candidate, counted); uncounted ones warm up
+    schedules: dict                     # candidate -> its schedule (read only)
     shapes: list                        # the tuning's memory step's shapes
     first: int                          # the tuning's memory step's number
-    walls: list[float] = dataclasses.field(default_factory=list)  # this rank's wall time per trial step
+    walls: tuple[float, ...] = ()       # this rank's wall time per trial step
 
 
 class ScheduleAuto:
@@ -151,6 +193,11 @@ class ScheduleAuto:
     step runs, when a timing step brings other shapes than the tuning's first. One call at a
     time, as every schedule: step() or eval() while another runs raises RuntimeError at once.
     A failure names the user's step number, whichever program runs it.
+
+    Its state: the placement and the options (frozen at construction), one schedule per
+    program it has run (keyed by the program itself: an equal program reuses its schedule and
+    executor), the running and last-run schedule, the step and eval counts, the tuning's phase
+    (a value, replaced at each step) and the tunings so far (history; `tuning` the last).
     """
 
     def __init__(self, stages, n_microbatches: int, loss_fn: Callable | None = None, *,
@@ -165,30 +212,33 @@ class ScheduleAuto:
                              f"steps) or None, got {retune_every}")
         if trial_steps < 0 or trial_margin < 0:
             raise ValueError(f"trial_steps and trial_margin must be >= 0, got {trial_steps}, {trial_margin}")
-        self._timing_steps, self._trial_steps, self._trial_margin = timing_steps, trial_steps, trial_margin
-        self._stages = _rank_stages(stages)
-        first = self._stages[0]
-        self._group, self._pp, self._rank = first.group, first.group_size, first.group_rank
-        self._num_stages = first.num_stages
+        self._placement = Placement.of(rank_stages(stages))
+        device = self._placement.stages[0].device
         # Device events time the actions on accelerators (host times on the CPU).
-        kwargs.setdefault("device_timing", first.device.type != "cpu")
-        self._n, self._loss_fn, self._kwargs = n_microbatches, loss_fn, kwargs
-        self._budget, self._retune = activation_budget, retune_every
-        self._clock = "device" if kwargs["device_timing"] and first.device.type != "cpu" else "host"
-        self.placement = placement_of([s.stage_index for s in self._stages], self._rank, self._pp, self._num_stages)
-        self._spr = self._num_stages // self._pp
-        self._mine = [s.stage_index for s in self._stages]
-        self._safe, self._names = FAMILIES[self.placement]
-        self._schedules: dict[str, PipelineSchedule] = {}
-        self._current = self._schedule_for(self._safe, _compile(self._safe, self._pp, n_microbatches, self._spr))
+        kwargs.setdefault("device_timing", device.type != "cpu")
+        clock = "device" if kwargs["device_timing"] and device.type != "cpu" else "host"
+        self._options = Options(n_microbatches, loss_fn, activation_budget, retune_every, timing_steps,
+                                trial_steps, trial_margin, clock, dict(kwargs))
+        self._schedules: dict[_C.Program, PipelineSchedule] = {}
+        self._current: PipelineSchedule | None = None
+        self._current = self._schedule_for(self._placement.compile(self._placement.safe, n_microbatches))
         self._ran = self._current  # the schedule that ran the last step (trace())
         self._steps = 0
         self._evals = 0  # eval() calls: the inner schedules' failure messages number them
-        self._one_running = _OneRunning("ScheduleAuto")
+        self._one_running = OneRunning("ScheduleAuto")
         self._phase: _Settled | _Refused | _Timing | _Trial = _Settled()
-        self._after: list[float] = []      # step times after the last switch (measured_step_s)
-        self.tuning: Tuning | None = None
-        self.history: list[Tuning] = []
+        self.history: list[Tuning] = []  # every tuning, each as it stands now
+
+    @property
+    def placement(self) -> str:
+        """'one', 'v' or 'looped' (placement_of)."""
+        return self._placement.family
+
+    @property
+    def tuning(self) -> Tuning | None:
+        """The last tuning (None before one), with its trial's verdict and measured step time
+        once known."""
+        return self.history[-1] if self.history else None
 
     @property
     def program(self) -> _C.Program:
@@ -229,7 +279,7 @@ class ScheduleAuto:
         """This rank's memory deltas measured at the last tuning step (memory_profile())."""
         if self.tuning is None:
             raise RuntimeError("ScheduleAuto has not measured yet: run a step")
-        return {s: dict(self.tuning.deltas[s]) for s in self._mine}
+        return {s: dict(self.tuning.deltas[s]) for s in self._placement.mine}
 
     # ---- the steps, by phase ----------------------------------------------------------------
 
@@ -242,13 +292,14 @@ class ScheduleAuto:
             return self._timing_step(phase, args, kwargs)
         # A tuning starts at step 1, at the step after one a shape change refused (during the
         # timing steps or the trial) and, with retune_every, at steps kN + 1.
+        retune = self._options.retune_every
         if (self.tuning is None or isinstance(phase, _Refused) or
-                (self._retune is not None and (self._steps - 1) % self._retune == 0)):
+                (retune is not None and (self._steps - 1) % retune == 0)):
             return self._memory_step(args, kwargs)
         out, wall = self._run(self._current, args, kwargs)
-        if self.tuning is not None and len(self._after) < _MEASURED_STEPS:
-            self._after.append(wall)
-            self.tuning.measured_step_s = statistics.median(self._after)
+        if len(phase.after) < _MEASURED_STEPS:
+            self._phase = _Settled(phase.after + (wall,))
+            self.history[-1] = dataclasses.replace(self.tuning, measured_step_s=statistics.median(self._phase.after))
         return out
 
     def _run(self, sched: PipelineSchedule, args, kwargs) -> tuple:
@@ -261,7 +312,8 @@ class ScheduleAuto:
 
     def _memory_step(self, args, kwargs):
         self._phase = _Settled()
-        measuring = self._current if self._splits(self._current.program) else self._schedules[self._safe]
+        safe = self._placement.compile(self._placement.safe, self._options.n_microbatches)
+        measuring = self._current if self._splits(self._current.program) else self._schedule_for(safe)
         shapes = _shapes(args, kwargs)
         measuring.measure_memory = True
         try:
@@ -277,10 +329,9 @@ class ScheduleAuto:
         self._check_shapes(timing.shapes, timing.first, args, kwargs)
         runs = self._current
         out, wall = self._run(runs, args, kwargs)
-        timing.walls.append(wall)
-        timing.records += runs.trace()
-        timing.ran.append(runs.program)
-        if len(timing.walls) < self._timing_steps:
+        timing = timing.after_step(wall, runs.trace(), runs.program)
+        self._phase = timing
+        if len(timing.walls) < self._options.timing_steps:
             self._current = timing.next_schedule()
         else:  # the last: the schedule that ran it stays current (a choice of its program keeps it)
             self._phase = _Settled()
@@ -290,7 +341,8 @@ class ScheduleAuto:
     def _trial_step(self, trial: _Trial, args, kwargs):
         self._check_shapes(trial.shapes, trial.first, args, kwargs)
         out, wall = self._run(self._current, args, kwargs)
-        trial.walls.append(wall)
+        trial = dataclasses.replace(trial, walls=trial.walls + (wall,))
+        self._phase = trial
         if len(trial.walls) < len(trial.order):
             self._current = trial.schedules[trial.order[len(trial.walls)][0]]
         else:
@@ -301,7 +353,7 @@ class ScheduleAuto:
         """ScheduleError on every rank, before the step runs, when its shapes differ from those
         of the tuning's memory step (step `first`) on some rank."""
         # Every rank checks before the step runs, so no rank enters a step the others refuse.
-        changed = gather(_shapes(args, kwargs) != shapes, self._group)
+        changed = gather(_shapes(args, kwargs) != shapes, self._placement.group)
         if any(changed):
             self._phase = _Refused()
             raise _C.ScheduleError(
@@ -313,17 +365,22 @@ class ScheduleAuto:
 
     # ---- the schedules ----------------------------------------------------------------------
 
-    def _schedule_for(self, name: str, program: _C.Program) -> PipelineSchedule:
-        key = name if name not in COST_DRIVEN else None
-        if key is not None and key in self._schedules:
-            return self._schedules[key]
-        sched = PipelineSchedule.from_program(self._stages, program, self._loss_fn, **self._kwargs)
-        if key is not None:
-            self._schedules[key] = sched
+    def _schedule_for(self, program: _C.Program) -> PipelineSchedule:
+        """The schedule running `program`: the running one or one made before where the program
+        is equal (its executor kept), else a new one. A cost-driven program is built anew at
+        every tuning: kept only while it runs, not cached."""
+        sched = self._schedules.get(program)
+        if sched is None and self._current is not None and program == self._current.program:
+            return self._current
+        if sched is None:
+            o = self._options
+            sched = PipelineSchedule.from_program(list(self._placement.stages), program, o.loss_fn, **o.schedule_kwargs)
+            if program.schedule not in COST_DRIVEN:
+                self._schedules[program] = sched
         return sched
 
     def _splits(self, program: _C.Program) -> bool:
-        kinds = {a.kind for a in program.action_values(self._rank) if a.is_compute}
+        kinds = {a.kind for a in program.action_values(self._placement.rank) if a.is_compute}
         return _C.Kind.B not in kinds and _C.Kind.I in kinds
 
     def _fused_for(self, measuring: PipelineSchedule) -> PipelineSchedule | None:
@@ -331,10 +388,12 @@ class ScheduleAuto:
         placement, or a re-tune measuring on a program other than the safe default (under a budget
         below the safe default's peak) whose last tuning found the fused one over the budget."""
         name = FUSED.get(self.placement)
-        if name is None or self._timing_steps < 2:
+        if name is None or self._options.timing_steps < 2:
             return None
-        fused = self._schedules.get(name) or self._schedule_for(name, _compile(name, self._pp, self._n, self._spr))
-        if measuring is self._schedules[self._safe] or self.tuning is None or self.tuning.predict(fused.program).fits:
+        n = self._options.n_microbatches
+        fused = self._schedule_for(self._placement.compile(name, n))
+        safe = self._placement.compile(self._placement.safe, n)
+        if measuring.program == safe or self.tuning is None or self.tuning.predict(fused.program).fits:
             return fused
         return None
 
@@ -342,43 +401,37 @@ class ScheduleAuto:
 
     def _measurements(self, timing: _Timing) -> RankMeasurements:
         """This rank's record of the tuning, its P2P hop measured now (every rank takes part)."""
-        nbytes = max(gather(boundary_bytes(timing.measuring, self._stages), self._group))
-        comm_s = ring_hop_s(nbytes, self._stages[0].device, self._group)
-        return RankMeasurements(rank=self._rank, num_stages=self._num_stages, microbatches=self._n,
-                                costs=profile_from_trace(timing.records, clock=self._clock),
+        p = self._placement
+        nbytes = max(gather(boundary_bytes(timing.measuring, p.stages), p.group))
+        comm_s = ring_hop_s(nbytes, p.stages[0].device, p.group)
+        return RankMeasurements(rank=p.rank, num_stages=p.num_stages, microbatches=self._options.n_microbatches,
+                                costs=profile_from_trace(list(timing.records), clock=self._options.clock),
                                 deltas=timing.deltas, comm_s=comm_s, walls=list(timing.walls))
 
     def _tune(self, timing: _Timing) -> None:
-        measured = merge(gather(self._measurements(timing), self._group), self._num_stages, self._n, self._rank)
-        t = plan(measured, self._names, self._budget, safe=self._schedules[self._safe].program, ran=timing.ran,
-                 step=self._steps, clock=self._clock, trial_steps=self._trial_steps,
-                 trial_margin=self._trial_margin)
-        self.tuning = t
-        self._after = []
+        p, o = self._placement, self._options
+        measured = merge(gather(self._measurements(timing), p.group), p.num_stages, o.n_microbatches, p.rank)
+        t = plan(measured, p.candidates, o.activation_budget, safe=p.compile(p.safe, o.n_microbatches),
+                 ran=list(timing.ran), step=self._steps, clock=o.clock, trial_steps=o.trial_steps,
+                 trial_margin=o.trial_margin)
         self.history.append(t)
-        running = self._current.program.to_csv_text()
-
-        def keep(name: str) -> PipelineSchedule:  # the running schedule (and executor) for its own program
-            prog = t.programs[name]
-            return self._current if prog.to_csv_text() == running else self._schedule_for(name, prog)
-
         if not t.trial:
-            self._current = keep(t.choice)
+            self._current = self._schedule_for(t.programs[t.choice])
             return
         # The trial: round-robin over the near candidates (the predicted best first), one step
         # each per round, after one uncounted step of each schedule that has not run yet (a
         # schedule's first step sets up its executor and runs slower).
-        schedules = {name: keep(name) for name in t.trial}
+        schedules = {name: self._schedule_for(t.programs[name]) for name in t.trial}
         rounds = sorted(t.trial, key=lambda n: n != t.choice)
         warm = [(n, False) for n in rounds if not schedules[n].has_run]
-        order = warm + [(n, True) for n in rounds] * self._trial_steps
+        order = tuple(warm + [(n, True) for n in rounds] * o.trial_steps)
         self._phase = _Trial(order, schedules, timing.shapes, first=timing.first)
         self._current = schedules[order[0][0]]
 
     def _end_trial(self, trial: _Trial) -> None:
         """Every rank takes the same choice: the trial candidate with the least median step,
-        each step's time being the slowest rank's (Tuning.end_trial)."""
+        each step's time being the slowest rank's (Tuning.after_trial)."""
         self._phase = _Settled()
-        slowest = [max(w) for w in zip(*gather(trial.walls, self._group))]
-        self._current = trial.schedules[self.tuning.end_trial(trial.order, slowest)]
-        self._after = []
+        slowest = [max(w) for w in zip(*gather(list(trial.walls), self._placement.group))]
+        self.history[-1] = self.tuning.after_trial(trial.order, slowest)
+        self._current = trial.schedules[self.tuning.choice]

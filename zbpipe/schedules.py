@@ -14,30 +14,37 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import threading
+import warnings
 from typing import Callable
 
 import torch
 
-from . import _C, microbatch
+from . import _C, executor_options, microbatch
 from .programs import compile as _compile
 from .schedule_runner import ExecutorRunner, PipelineContext  # noqa: F401 - PipelineContext: zbpipe's
 from .stage import PipelineStage
-from .step_data import StepData, input_signature
+from .step_data import StepData
 
 
 @functools.lru_cache(maxsize=256)
 def _cached_program(name: str, pp: int, microbatches: int, stages_per_rank: int, forward_only: bool,
-                    options: tuple = ()):
+                    options: tuple = (), vocab_parallel: bool = False):
     """Compiled (lowered, validated) program, cached per schedule, microbatch count and compile
-    options (costs and memory cap for cost-driven schedules such as zb_auto)."""
+    options (costs and memory cap for cost-driven schedules such as zb_auto); vocab_parallel:
+    with the vocabulary head's passes (output=)."""
     if not forward_only:
-        return _compile(name, pp, microbatches, stages_per_rank or None, **dict(options))
+        kw = dict(options)  # compile_options may say vocab_parallel too (PartitionPlan.compile_options)
+        kw["vocab_parallel"] = vocab_parallel or bool(kw.get("vocab_parallel"))
+        return _compile(name, pp, microbatches, stages_per_rank or None, **kw)
     # Forward only: the schedule's forwards, in its order and topology, lowered and validated.
-    return _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
+    prog = _C.lower(_C.strip_backward(_C.build(name, pp, microbatches, stages_per_rank)))
+    return _C.insert_vocab(prog) if vocab_parallel else prog
 
 
-class _OneRunning:
+
+class OneRunning:
     """At most one call running a schedule's executors: a second step()/eval() while one runs
     (from another thread, or from inside a stage of the running one) raises RuntimeError at
     once, naming the running call and its thread. Checked before the second call touches
@@ -84,7 +91,7 @@ def _custom_kind(kind) -> _C.Kind:
     return getattr(_C.Kind, name)
 
 
-def _rank_stages(stages) -> list[PipelineStage]:
+def rank_stages(stages) -> list[PipelineStage]:
     """This rank's stages in stage order; ValueError for none or for stages on different
     process groups."""
     ranked = [stages] if isinstance(stages, PipelineStage) else sorted(stages, key=lambda s: s.stage_index)
@@ -100,11 +107,6 @@ def _rank_stages(stages) -> list[PipelineStage]:
     return ranked
 
 
-def _trains(program: _C.Program) -> bool:
-    return any(a.kind != _C.Kind.F for r in range(program.pp) for a in program.action_values(r)
-               if a.is_compute)
-
-
 class PipelineSchedule:
     """Base of every schedule class: `schedule` is the zbpipe.compile() name.
 
@@ -112,6 +114,19 @@ class PipelineSchedule:
         stages: this rank's PipelineStage, or the list of them (multi-stage schedules).
         n_microbatches: microbatches per step (the batch must split evenly).
         loss_fn: loss_fn(output, target, **loss_kwargs) on the last stage; None runs forward only.
+        args_chunk_spec, kwargs_chunk_spec: torch's chunk specs (zbpipe/microbatch.py): per
+            positional argument and per keyword argument (pytrees mirroring them), a
+            ``TensorChunkSpec(dim)`` splits a tensor along ``dim``, ``_Replicate`` hands it
+            whole to every microbatch; None: tensors along dim 0, other values replicated.
+            Microbatches must split evenly (one shape per step).
+        output_merge_spec: torch's merge spec of the last stage's outputs (a pytree mirroring
+            them): ``TensorChunkSpec(dim)`` concatenates along ``dim``, a ``_CustomReducer``
+            (torch's ``sum_reducer``) reduces, anything else keeps a value every microbatch
+            gave equal; None: tensors along dim 0 (0-d ones stacked).
+        output: a zbpipe.VocabParallelOutput in place of loss_fn: the LM head and its loss split by
+            vocabulary rows over every rank, its passes and collectives placed in the program
+            (compile(..., vocab_parallel=True)); the last stage returns the head's input, and
+            every rank gives target= (docs/vocab_parallel.md). ValueError with loss_fn too.
         scale_grads: gradients of the mean microbatch loss (as one full-batch mean loss; False:
             of their sum, for a loss_fn that already divides, as torchtitan's). The scaling is
             applied to each microbatch loss before its backward, so gradients accumulated from
@@ -124,33 +139,17 @@ class PipelineSchedule:
             torch.enable_grad()). zbpipe's own backward runs the autograd graph of the
             forward, so a step under no_grad that would run it raises RuntimeError naming
             the kinds, with either value.
-        timeout: seconds any single wait may take before the step fails on this rank.
-        device_timing: record per-action device times (accelerators) and each action's thread CPU
-            time (cpu_ns) in trace().
+        use_full_backward: torch's deprecated flag: accepted with a warning, ignored.
+        defer_pp_recv: torch's option to post receives late: each receive is posted at its
+            RECV action in the program (prepost_receives=False), not at step start.
         compile_options: extra zbpipe.compile() arguments, e.g. for zb_auto
             dict(f=..., b=..., w=..., comm=..., memory_cap=...) (measured stage costs).
-        prepost_receives: post every receive of a step when it starts (a send then finds its
-            receive waiting), where messages complete on the host (Gloo). None (default): on
-            there, off on stream-ordered backends; False posts each at its RECV action,
-            holding fewer receive buffers at a time; True on a stream-ordered group (NCCL, or
-            stream_ordered=True) raises zbpipe.ScheduleError when the first step builds the
-            executor.
-        static_shapes: keep the first step's shapes for every step, saving the one small
-            message per step and rank through which the first stage's rank names the step's
-            input signature (by default a new signature renegotiates the shapes). Every rank
-            must pass the same value.
-        stream_ordered: post and wait as on NCCL (every batch coalesced where the backend
-            can, receives at their RECV action, waits polled against the timeout). None: from
-            the device (True off the CPU); True on a CPU group runs NCCL's discipline over Gloo.
-        overlap_f_b: run the two halves of each OVERLAP_F_B unit (DualPipeV) at the same time:
-            the backward (C++ autograd) on a worker thread, with its own stream on
-            accelerators, while this thread runs the forward; the forward's SEND goes out as
-            soon as it finishes. False runs them in sequence. Only the executor's own halves
-            overlap: a function registered for OVERLAP_F_B (register_custom_function) runs the
-            halves itself through ctx.run, one after the other, with its own work between.
         measure_memory: measure every training step's memory deltas per local stage
             (memory_profile(); zbpipe/memory_probe.py). Off by default: a probing step runs a
             saved-tensor pack hook in each forward and a call into Python after each I.
+        **options: the executor's options (zbpipe._C.ExecutorOptions; below, and with their
+            defaults in the signature), gathered into one ExecutorOptions that every executor
+            of the schedule gets whole.
 
     A step failing on any rank (a stage error, a wrong shape, a loss error, a timeout, a bad
     batch) fails every rank of the pipeline, and of every data-parallel replica of its stages,
@@ -176,53 +175,54 @@ class PipelineSchedule:
         if forward_only is not None:
             cls.forward_only = forward_only
 
+    @executor_options.declared
     def __init__(
         self,
         stages: PipelineStage | list[PipelineStage],
         n_microbatches: int,
         loss_fn: Callable | None = None,
-        *,
         args_chunk_spec=None,
         kwargs_chunk_spec=None,
         output_merge_spec=None,
         scale_grads: bool = True,
         backward_requires_autograd: bool = True,
-        timeout: float = 300.0,
-        device_timing: bool = False,
+        *,
+        use_full_backward: bool | None = None,
+        defer_pp_recv: bool = False,
         compile_options: dict | None = None,
-        prepost_receives: bool | None = None,
-        static_shapes: bool = False,
-        stream_ordered: bool | None = None,
-        overlap_f_b: bool = True,
         measure_memory: bool = False,
+        output=None,
         _program: _C.Program | None = None,
+        **options,
     ):
-        if args_chunk_spec is not None or kwargs_chunk_spec is not None or output_merge_spec is not None:
-            raise NotImplementedError(
-                "zbpipe splits tensors along dim 0 and concatenates outputs along dim 0; custom "
-                "chunk/merge specs are not supported")
+        if use_full_backward is not None:  # torch's deprecated flag, ignored as torch ignores it
+            warnings.warn("use_full_backward is no longer supported (as in torch): stop passing it",
+                          FutureWarning, stacklevel=2)
+        if defer_pp_recv:  # torch's: receives posted where the program needs them, not at step start
+            if options.get("prepost_receives"):
+                raise ValueError("defer_pp_recv=True posts each receive at its RECV action; "
+                                 "prepost_receives=True posts them all at step start: give one")
+            options["prepost_receives"] = False
+        self._chunk_specs = microbatch.ChunkSpecs(args_chunk_spec, kwargs_chunk_spec, output_merge_spec)
         if not self.schedule and _program is None and not self._loads_program:
             raise TypeError(f"{type(self).__name__} is a base class: use a schedule class "
                             "(zbpipe.get_schedule_class) or from_program")
         if n_microbatches < 1:
             raise ValueError(f"n_microbatches must be >= 1, got {n_microbatches}")
-        self._stages = _rank_stages(stages)
+        self._stages = rank_stages(stages)
         self._n = n_microbatches
         self._loss_fn = loss_fn
-        self._has_backward = loss_fn is not None and not self.forward_only
+        self._vocab = _check_output(output, loss_fn, self._stages)
+        self._has_backward = (loss_fn is not None or output is not None) and not self.forward_only
         self.scale_grads = scale_grads
         self._backward_requires_autograd = backward_requires_autograd
-        self._runner = ExecutorRunner(self._stages, dict(
-            timeout_s=float(timeout), device_timing=device_timing, prepost_receives=prepost_receives,
-            static_shapes=static_shapes, stream_ordered=stream_ordered, overlap_f_b=overlap_f_b),
-            measure_memory)
-        self._eval_program: _C.Program | None = None
-        self._program: _C.Program | None = None
+        self._runner = ExecutorRunner(self._stages, executor_options.build(options, type(self).__name__),
+                                      measure_memory, vocab=self._vocab)
         if _program is not None:
             self._set_program(_program)
         elif not self._loads_program:
             self._set_program(self._compiled(compile_options))
-        self._one_running = _OneRunning("schedule")
+        self._one_running = OneRunning("schedule")
 
     def _compiled(self, compile_options: dict | None) -> _C.Program:
         """The program of this class's schedule for the stages' layout (even layouts only)."""
@@ -232,7 +232,8 @@ class PipelineSchedule:
                              "(uneven layouts run through PipelineSchedule.from_program)")
         options = tuple(sorted((k, tuple(v) if isinstance(v, list) else v)
                                for k, v in (compile_options or {}).items()))
-        return _cached_program(self.schedule, pp, self._n, num_stages // pp, not self._has_backward, options)
+        return _cached_program(self.schedule, pp, self._n, num_stages // pp, not self._has_backward, options,
+                               self._vocab is not None)
 
     def _set_program(self, prog: _C.Program) -> None:
         """Takes `prog` after checking that it fits the stages (any layout that validates,
@@ -243,14 +244,13 @@ class PipelineSchedule:
             raise ValueError(f"program '{prog.schedule}' has pp={prog.pp}, num_stages={prog.num_stages}; "
                              f"the stages say pp={pp}, num_stages={num_stages}")
         self._runner.bind_program(prog)
-        self._program, self.schedule = prog, prog.schedule
-        self._eval_program = None
+        self.schedule = prog.schedule
 
     @property
     def program(self) -> _C.Program:
-        if self._program is None:
+        if self._runner.program is None:
             raise RuntimeError(f"{type(self).__name__} has no program yet: call _load_csv(path) first")
-        return self._program
+        return self._runner.program
 
     @classmethod
     def from_program(cls, stages, program: _C.Program, loss_fn: Callable | None = None, **kwargs) -> "PipelineSchedule":
@@ -258,13 +258,6 @@ class PipelineSchedule:
         PyTorch CSV, or Program.from_actions with any stage-to-rank layout, uneven ones
         included); its microbatch count is the program's."""
         return cls(stages, program.microbatches, loss_fn, _program=program, **kwargs)
-
-    def _program_for(self, train: bool) -> _C.Program:
-        if train or not _trains(self.program):
-            return self.program
-        if self._eval_program is None:  # the same forwards, in the same order and topology
-            self._eval_program = _C.lower(_C.strip_backward(self._program.compute_only()))
-        return self._eval_program
 
     def _check_grad_mode(self) -> None:
         """step() under torch.no_grad(): torch's RuntimeError, unless backward_requires_autograd
@@ -339,34 +332,23 @@ class PipelineSchedule:
             return self._run("eval", inputs, losses, return_outputs, loss_kwargs, train=False)
 
     def _run(self, call: str, inputs: dict, losses, return_outputs, loss_kwargs, train: bool):
-        number = self._runner.count(call)
-        if losses is not None and not isinstance(losses, list):
-            raise TypeError(f"losses must be a list, got {type(losses).__name__}")
-        executor = self._runner.executor(train, self._program_for)
-        executor.set_step_number(number)  # the failure messages' "step N"
-        with contextlib.ExitStack() as stage_scopes:
-            try:  # this rank's own checks: a failure here is told to every peer
-                self._runner.check_data_parallel(train)
-                step = StepData.build(self._n, train=train, has_first=any(s.is_first for s in self._stages),
-                                      has_last=any(s.is_last for s in self._stages), loss_fn=self._loss_fn,
-                                      keep_outputs=return_outputs, loss_kwargs=loss_kwargs, **inputs)
-                first_inputs = None
-                if step.args is not None and not self._runner.static_shapes:
-                    first_inputs = input_signature(step)
-                for s in self._stages:
-                    stage_scopes.enter_context(s._step_scope(train))
-            except Exception as e:
-                executor.report_failure(f"{type(e).__name__}: {e}")
-                raise
-            loss_scale = 1.0 / self._n if self.scale_grads else 1.0
-            outputs, mb_losses = self._runner.run(executor, step, first_inputs, loss_scale, self, losses)
-        if not any(s.is_last for s in self._stages):
+        _ = self.program  # RuntimeError where the program comes later (_load_csv) and has not
+        has_last = any(s.is_last for s in self._stages)
+        build = functools.partial(
+            StepData.build, self._n, train=train, has_first=any(s.is_first for s in self._stages),
+            has_last=has_last, loss_fn=self._loss_fn, keep_outputs=return_outputs, loss_kwargs=loss_kwargs,
+            chunk_specs=self._chunk_specs, vocab=self._vocab, **inputs)
+        loss_scale = 1.0 / self._n if self.scale_grads else 1.0
+        step, outputs, mb_losses = self._runner.step(call, train, build, loss_scale, losses, self)
+        if train and self._vocab is not None:
+            self._vocab._sync_gradients()
+        if not has_last:
             return None
         if losses is not None:
             losses.clear()
             if step.targets is not None:
                 losses.extend(mb_losses)
-        return microbatch.merge(outputs) if return_outputs else None
+        return self._chunk_specs.merge(outputs) if return_outputs else None
 
     def set_call_counts(self, step: int | None = None, eval: int | None = None) -> None:
         """The step() / eval() calls counted so far: the next call's failure messages name it
@@ -415,12 +397,78 @@ class PipelineSchedule:
         self._runner.export_chrome_trace(path)
 
 
+PipelineSchedule.__doc__ += f"""
+    Executor options (zbpipe._C.ExecutorOptions):
+{executor_options.docs(" " * 8)}
+    """
+
+
+def _zbpipe_options(init):
+    """Declares `init`'s signature as torch's parameters (its own, up to ``**options``)
+    followed by PipelineSchedule's other parameters, keyword-only: the ``**options`` that
+    `init` hands on to PipelineSchedule.__init__ (help() and inspect show them all)."""
+    own = [p for p in inspect.signature(init).parameters.values() if p.kind is not p.VAR_KEYWORD]
+    names = {p.name for p in own} | {"stages"}
+    extra = [p.replace(kind=p.KEYWORD_ONLY) for p in inspect.signature(PipelineSchedule.__init__).parameters.values()
+             if p.name not in names and not p.name.startswith("_")]
+    init.__signature__ = inspect.Signature(own + extra)
+    return init
+
+
+def _check_output(output, loss_fn, stages):
+    """The vocabulary-parallel output given as output= (None: none): TypeError for another
+    object, ValueError beside a loss_fn or on another process group than the stages'."""
+    if output is None:
+        return None
+    from .vocab_parallel import VocabParallelOutput
+
+    if not isinstance(output, VocabParallelOutput):
+        raise TypeError(f"output= takes a zbpipe.VocabParallelOutput, got {type(output).__name__}")
+    if loss_fn is not None:
+        raise ValueError("output= (a VocabParallelOutput, which computes the loss) and loss_fn= both define the "
+                         "loss: give one")
+    group = stages[0].group
+    if output.group is not group and (output.group.size(), output.group.rank()) != (group.size(), group.rank()):
+        raise ValueError(f"the VocabParallelOutput is sharded over a group of {output.group.size()} ranks "
+                         f"(this rank {output.group.rank()}), the stages run on one of {group.size()} (this rank "
+                         f"{group.rank()}): build it with group= the pipeline's group")
+    return output
+
+
 class PipelineScheduleSingle(PipelineSchedule):
-    """Base of the schedules with one stage per rank (torch's name, for issubclass checks)."""
+    """Base of the schedules with one stage per rank (torch's name and signature)."""
+
+    @_zbpipe_options
+    def __init__(self, stage: PipelineStage, n_microbatches: int, loss_fn: Callable | None = None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
+                 **options):
+        super().__init__(stage, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads, **options)
 
 
 class PipelineScheduleMulti(PipelineSchedule):
-    """Base of the schedules that take a list of stages per rank (torch's name)."""
+    """Base of the schedules that take a list of stages per rank (torch's name and signature)."""
+
+    @_zbpipe_options
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None,
+                 use_full_backward: bool | None = None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, **options):
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads, backward_requires_autograd, use_full_backward=use_full_backward, **options)
+
+
+class _ScheduleMultiDeferRecv(PipelineScheduleMulti):
+    """torch's signature of its interleaved, zero-bubble and V classes: Multi's without
+    use_full_backward, with defer_pp_recv last."""
+
+    @_zbpipe_options
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
+                 args_chunk_spec=None, kwargs_chunk_spec=None, output_merge_spec=None, scale_grads: bool = True,
+                 backward_requires_autograd: bool = True, defer_pp_recv: bool = False, **options):
+        super().__init__(stages, n_microbatches, loss_fn, args_chunk_spec, kwargs_chunk_spec, output_merge_spec,
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv, **options)
 
 
 # torch's private base-class name, which trainers import for type annotations (torchtitan).
@@ -458,22 +506,30 @@ class Schedule1F1B(PipelineScheduleSingle, schedule="1f1b"):
 
 
 class ScheduleLoopedBFS(PipelineScheduleMulti, schedule="looped_bfs"):
-    """Looped breadth-first, several stages per rank."""
+    """Looped breadth-first, several stages per rank (torch's signature: chunk specs keyword-only)."""
+
+    @_zbpipe_options
+    def __init__(self, stages: list[PipelineStage], n_microbatches: int, loss_fn: Callable | None = None,
+                 output_merge_spec=None, scale_grads: bool = True, backward_requires_autograd: bool = True,
+                 defer_pp_recv: bool = False, **options):
+        super().__init__(stages, n_microbatches, loss_fn, output_merge_spec=output_merge_spec,
+                         scale_grads=scale_grads, backward_requires_autograd=backward_requires_autograd,
+                         defer_pp_recv=defer_pp_recv, **options)
 
 
-class ScheduleInterleaved1F1B(PipelineScheduleMulti, schedule="interleaved_1f1b"):
+class ScheduleInterleaved1F1B(_ScheduleMultiDeferRecv, schedule="interleaved_1f1b"):
     """Interleaved 1F1B (Megatron virtual stages; one stage per rank runs as torch's does)."""
 
 
-class ScheduleInterleavedZeroBubble(PipelineScheduleMulti, schedule="interleaved_zb"):
+class ScheduleInterleavedZeroBubble(_ScheduleMultiDeferRecv, schedule="interleaved_zb"):
     """Interleaved zero bubble (ZB1P; one stage per rank runs as torch's does)."""
 
 
-class ScheduleZBVZeroBubble(PipelineScheduleMulti, schedule="zbv"):
+class ScheduleZBVZeroBubble(_ScheduleMultiDeferRecv, schedule="zbv"):
     """Zero bubble V schedule (two stages per rank)."""
 
 
-class ScheduleDualPipeV(PipelineScheduleMulti, schedule="dualpipev"):
+class ScheduleDualPipeV(_ScheduleMultiDeferRecv, schedule="dualpipev"):
     """DualPipeV on a V: each OVERLAP_F_B pair's halves run at once (overlap_f_b=False: in turn)."""
 
 
@@ -489,11 +545,11 @@ class ScheduleZBAuto(PipelineScheduleSingle, schedule="zb_auto"):
     """Cost-driven zero bubble under an activation cap (compile_options: measured costs)."""
 
 
-class ScheduleVHalf(PipelineScheduleMulti, schedule="v_half"):
+class ScheduleVHalf(_ScheduleMultiDeferRecv, schedule="v_half"):
     """Controllable-memory V schedule, about 1/2 of 1F1B's activations."""
 
 
-class ScheduleVMin(PipelineScheduleMulti, schedule="v_min"):
+class ScheduleVMin(_ScheduleMultiDeferRecv, schedule="v_min"):
     """Controllable-memory V schedule, about 1/3 of 1F1B's activations."""
 
 

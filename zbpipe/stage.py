@@ -1,7 +1,7 @@
 """PipelineStage: wraps the nn.Module of one pipeline stage for the C++ executor.
 
-The executor calls the ``_zb_*`` methods (through the trampoline in csrc/python/py_stage.h) in
-program order, each with the StepData of the running step (zbpipe/step_data.py): the schedule
+The executor calls the ``_zb_*`` methods (through the trampoline in csrc/python/py_stage.h; the
+list: zbpipe/stage_interface.py's StageInterface) in program order, each with the StepData of the running step (zbpipe/step_data.py): the schedule
 builds one per step and hands it to the executor's run, which passes it to every stage call and
 returns the last stage's outputs and losses. A stage keeps only what is its own (module,
 placement, shape cache, data-parallel adapter), nothing of a step. Only forwards run here: the
@@ -12,45 +12,57 @@ autograd engine (csrc/runtime/stage_backward.h).
 from __future__ import annotations
 
 import contextlib
+import copy
+import functools
+import itertools
+import warnings
 from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from . import _tree
-from .checkpointing import recompute_once
+from .checkpointing import recompute_ahead, recompute_once
 from .data_parallel import adapter_for
 from .deferred_linear import DeferredLinearHook
-from .step_data import StepData, input_signature, tensor_layout  # noqa: F401 - input_signature: also imported from here
+from .devices import placement
+from .step_data import StepData, input_signature  # noqa: F401 - input_signature: also imported from here
 
-# What a module raises where meta tensors cannot run it (no meta kernel, a data-dependent value,
+# What a module raises where fake tensors cannot run it (no fake kernel, a data-dependent value,
 # a conversion that needs data): shape inference then runs it for real. Any other exception is
-# the user's and propagates from the meta run as it is.
-_META_UNSUPPORTED = (NotImplementedError, RuntimeError, TypeError)
+# the user's and propagates from the fake run as it is.
+_FAKE_UNSUPPORTED = (NotImplementedError, RuntimeError, TypeError)
 
 
 class PipelineStage:
     """One stage of the pipeline, living on this rank.
 
+    The arguments are torch 2.13's, in its order (positional or keyword); zbpipe's own
+    (deferred_linear) are keyword-only.
+
     Args:
         submodule: the stage's module.
         stage_index, num_stages: global position of the stage.
-        device: where the stage computes (and where its messages live).
-        group: the pipeline's process group (default: the world group).
+        device: where the stage computes (and where its messages live), in any form torch
+            takes: kept as ``stage.device`` the way torch places tensors there
+            (zbpipe/devices.py: ``cpu:N`` is ``cpu``, ``cuda`` the current CUDA device).
         input_args: example microbatch input (tensor / tuple / dict); by default the shapes are
             inferred at the first step (the previous stage's outputs). When given, a mismatch
             with what the previous stage produces fails every rank at the first step.
-        output_args: example microbatch output; by default inferred (a meta-device run where
-            the module allows, else one real no-grad forward).
-        deferred_linear: run the nn.Linear layers' weight gradients as queued work in the W
-            action instead of splitting the autograd graph (the layers' ``forward`` is
-            replaced on the instances, so build the stage from the module you train).
+        output_args: example microbatch output; by default inferred (see _shape_run).
+        output_grads, input_grads: torch's static gradient metadata, which torch needs only
+            for DTensor stage inputs and outputs. zbpipe's stages exchange plain tensors whose
+            gradients have the activations' shapes: accepted and kept as attributes, unused.
+        group: the pipeline's process group (default: the world group).
         dw_builder: torch's hook for modules that compute their own weight gradients: the
             backward (B, or I) runs the full autograd backward, then ``dw_builder()`` is called
             and the runner it returns is called at the microbatch's W (right away after a B).
         get_mesh: torch's callback that rebuilds DTensor stage inputs from the plain tensors
             received (torchtitan passes one). zbpipe's stages send and receive plain tensors
             and never call it: it is accepted and kept as ``stage.get_mesh``, with no effect.
+        deferred_linear: run the nn.Linear layers' weight gradients as queued work in the W
+            action instead of splitting the autograd graph (the layers' ``forward`` is
+            replaced on the instances, so build the stage from the module you train).
 
     Shapes follow the first stage's inputs: a step whose microbatch arguments have a signature
     (shapes, dtypes, structure) no earlier step had renegotiates every stage's shapes (the
@@ -75,23 +87,26 @@ class PipelineStage:
         submodule: torch.nn.Module,
         stage_index: int,
         num_stages: int,
-        device: torch.device | str,
-        group: dist.ProcessGroup | None = None,
+        device: torch.device | str | int,
         input_args: Any = None,
         output_args: Any = None,
-        *,
+        output_grads: Any = None,
+        input_grads: Any = None,
+        group: dist.ProcessGroup | None = None,
         dw_builder: Callable[[], Callable[[], None]] | None = None,
-        deferred_linear: bool = False,
         get_mesh: Callable | None = None,
+        *,
+        deferred_linear: bool = False,
     ):
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"stage_index must be in [0, {num_stages}), got {stage_index}")
         if dw_builder is not None and deferred_linear:
             raise ValueError("dw_builder and deferred_linear both define the W action; give one")
+        _check_group(group, input_args)
         self.submod = submodule
         self.stage_index = stage_index
         self.num_stages = num_stages
-        self.device = torch.device(device)
+        self.device = placement(device)
         self.group = group if group is not None else dist.distributed_c10d._get_default_group()
         # The group's own rank and size: also for groups torch.distributed has not registered.
         self.group_rank = self.group.rank()
@@ -100,23 +115,32 @@ class PipelineStage:
         self.is_last = stage_index == num_stages - 1
         self._input_args = input_args
         self._output_args = output_args
+        # torch's static metadata of the gradients (it needs them only for DTensor stage I/O):
+        # zbpipe derives gradient shapes from the agreed activations and keeps these unused.
+        self.output_grads, self.input_grads = output_grads, input_grads
         self._linear = DeferredLinearHook(submodule) if deferred_linear else None
+        if self._linear is not None and self._linear.not_deferred:
+            warnings.warn(f"zbpipe: stage {stage_index}: deferred_linear keeps the forward of "
+                          f"{self._linear.describe_not_deferred()}; their weight gradients are "
+                          "computed in I with the rest of the stage's backward", RuntimeWarning, stacklevel=2)
+        self._split_fallback: str | None = None  # why the split backward ran fused (once seen)
         self.dw_builder = dw_builder
         self.get_mesh = get_mesh
         self._dp = None
         self._dp_of: tuple | None = None  # (module, its class) the adapter was made for
-        self._bind_data_parallel(None)
+        self.bind_data_parallel(None)
         # Shape cache: input structure string -> parsed (per negotiated signature), the one in
-        # use, and whether shape inference may run the module on meta tensors.
+        # use, and whether shape inference may run the module on fake tensors.
         self._parsed: dict[str, Any] = {}
         self._in_parsed: Any = None
-        self._meta_shapes = True
+        self._fake_shapes = True  # fake tensors (meta storage), not a real run
 
-    def _bind_data_parallel(self, split_backward: bool | None) -> bool:
+    def bind_data_parallel(self, split_backward: bool | None) -> bool:
         """The data-parallel adapter of ``submod`` as it is now: made anew where the module or
         its class changed (fully_shard changes the class in place), then checked against a
         program that splits this stage's backward (split_backward; None: no program yet).
-        Returns whether the stage syncs gradients; raises ValueError as the adapter's check."""
+        Returns whether the stage syncs gradients; raises ValueError as the adapter's check.
+        A schedule calls it when it takes a program and when it builds or runs an executor."""
         module = self.submod
         if self._dp_of is None or self._dp_of[0] is not module or self._dp_of[1] is not type(module):
             self._dp = adapter_for(module, self._linear is not None)
@@ -124,6 +148,11 @@ class PipelineStage:
         if self._dp is not None and split_backward is not None:
             self._dp.check(self.stage_index, split_backward)
         return self._dp is not None
+
+    def data_parallel_groups(self) -> list:
+        """The process groups the stage's gradient sync runs a collective on (DDP's group,
+        FSDP2's shard and replicate groups; [] without data parallelism), as last bound."""
+        return self._dp.groups() if self._dp is not None else []
 
     def scale_grads(self, grad_scale_factor: int) -> None:
         """torch's: divides the gradients of the stage's parameters by grad_scale_factor. zbpipe's
@@ -137,9 +166,10 @@ class PipelineStage:
         return f"PipelineStage(stage_index={self.stage_index}, num_stages={self.num_stages}, rank={self.group_rank})"
 
     @contextlib.contextmanager
-    def _step_scope(self, training: bool):
-        """The stage's own modes for the length of one schedule step: data parallelism's sync
-        flags (step_begin / step_end(failed)) and deferred_linear's in-step routing."""
+    def step_scope(self, training: bool):
+        """The stage's own modes for the length of one schedule step (the schedule enters it
+        around each step): data parallelism's sync flags (step_begin / step_end(failed)) and
+        deferred_linear's in-step routing."""
         failed = True
         try:
             if self._dp is not None:
@@ -173,7 +203,8 @@ class PipelineStage:
         None on every stage but the last; there [loss] when the step trains (else []), the
         detached loss (None without a loss_fn) and the detached output when kept (else None)."""
         if step.train:  # checkpointed regions made here recompute once (issue #21)
-            with recompute_once(), self._probing(step, mb):
+            regions = step.regions.setdefault((self.stage_index, mb), [])
+            with recompute_once(regions), self._probing(step, mb):
                 return self._zb_forward_inner(step, mb, inputs)
         return self._zb_forward_inner(step, mb, inputs)
 
@@ -182,9 +213,35 @@ class PipelineStage:
         if step.memory_probe is None:
             return contextlib.nullcontext()
         data: list[torch.Tensor] = []
-        tensor_layout((step.args[mb] if self.is_first else None, step.microbatch_kwargs(mb),
-                 step.targets[mb] if self.is_last and step.targets is not None else None), data)
+        _tree.tensor_layout((step.args[mb] if self.is_first else None, step.microbatch_kwargs(mb),
+                             step.targets[mb] if self.is_last and step.targets is not None else None), data)
         return step.memory_probe.recording(self.stage_index, mb, self.submod, data)
+
+    def _zb_before_backward_on_worker(self, step: StepData, mb: int) -> None:
+        """Right before microbatch mb's backward starts on the overlap worker (which runs it
+        while this thread runs a forward): its checkpointed regions recompute here, so the
+        worker draws nothing from the RNG this thread's forward draws from."""
+        recompute_ahead(step.regions.pop((self.stage_index, mb), ()))
+
+    def _zb_split_fell_back(self, reason: str) -> None:
+        """The executor's split backward could not take this stage's graph (told once)."""
+        self._split_fallback = reason
+        warnings.warn(f"zbpipe: stage {self.stage_index} runs its whole backward in I, fused (W does "
+                      f"nothing for it; the gradients are exact): {reason}", RuntimeWarning)
+
+    @property
+    def split_fallback(self) -> str | None:
+        """Why this stage's backward ran fused under a split schedule (its I does the whole
+        backward, its W nothing), or None while it splits (or has not run a split step)."""
+        return self._split_fallback
+
+    @property
+    def deferred_linear_report(self) -> dict | None:
+        """With deferred_linear=True: {"deferred": [qualified names of the nn.Linear modules
+        whose weight gradients W computes], "not_deferred": {name: why it keeps its own forward
+        (its weight gradients are then computed in I, with the rest of the stage's backward)}};
+        None without deferred_linear."""
+        return None if self._linear is None else self._linear.report()
 
     def _zb_backward_input_done(self, step: StepData, mb: int) -> None:
         """Right after microbatch mb's I, on a probing step: what waits for W is measured."""
@@ -206,13 +263,33 @@ class PipelineStage:
         if not self.is_last:
             return _tree.flatten(out)[0], None, None
         kept = _detach(out) if step.keep_outputs else None
+        if step.vocab is not None:  # the output is the vocabulary-parallel head's input
+            return _tree.flatten(out)[0], None, kept
         if step.loss_fn is None:
             return [], None, kept
         with contextlib.nullcontext() if step.train else torch.no_grad():
             loss = step.loss_fn(out, step.targets[mb], **step.loss_kwargs)
         if step.train:
             _check_scalar_loss(loss, self.stage_index, mb)
+            self._check_loss_has_grad(loss, mb)
         return ([loss] if step.train else []), loss.detach(), kept
+
+    def _check_loss_has_grad(self, loss: torch.Tensor, mb: int) -> None:
+        """A loss that cannot start a backward (detached, a constant) where one could: raised
+        in the forward, so every rank fails naming the microbatch, as one process's
+        loss.backward() fails. One could where the stage trains a parameter or takes its
+        inputs from an earlier stage (the executor makes the floating ones require grad). A
+        frozen model (no parameter trains, one stage) runs on, computing no gradient. Checked
+        only in grad mode (a registered forward under backward_requires_autograd=False owns
+        the graph)."""
+        if loss.requires_grad or not torch.is_grad_enabled():
+            return
+        if self.is_first and not any(p.requires_grad for p in self.submod.parameters()):
+            return
+        raise RuntimeError(
+            f"zbpipe: the loss of microbatch {mb} (stage {self.stage_index}) does not require grad, so "
+            "no gradient can flow from it (one process's loss.backward() says: element 0 of tensors "
+            "does not require grad and does not have a grad_fn): loss_fn detached it or returned a constant")
 
     @property
     def _zb_queues_weight_work(self) -> bool:
@@ -273,37 +350,50 @@ class PipelineStage:
         return _tree.specs_of(flat), st
 
     def _shape_run(self, step: StepData, specs):
-        """Output of microbatch 0 without touching real data: meta tensors where the module
-        allows it, else one real no-grad forward (on zeros; stage 0 on its real arguments). A
-        DDP stage runs its inner module (no buffer broadcast); an FSDP stage its real, unsharded
-        one (FSDP swaps parameters), so it runs for real. A module that meta tensors cannot run
-        (_META_UNSUPPORTED) runs for real from then on; a user error raises once, from the
-        run that met it."""
+        """Output of microbatch 0 for the handshake, with no effect on what the step computes
+        ([Note: shape inference has no side effects]): fake tensors on the stage's device
+        where the module allows (they see autocast, inside the module or around the step, as
+        the real forward does), else one real no-grad forward (on zeros; stage 0 on its real
+        arguments). A DDP stage runs its inner module (no buffer broadcast); an FSDP stage its
+        real, unsharded one (FSDP swaps parameters), so it runs for real; a stage with lazy
+        parameters not yet materialized runs a copy for real. A module fake tensors cannot run
+        (_FAKE_UNSUPPORTED) runs for real from then on; a user error raises once, from the run
+        that met it."""
         module = self.submod if self._dp is None else self._dp.shape_module
-        with torch.no_grad():
-            if module is not None and self._meta_shapes:
+        with torch.no_grad(), _forked_rng(self.device):
+            if module is not None and self._fake_shapes and not _is_lazy(module):
                 try:
-                    return self._meta_run(module, step, specs)
-                except _META_UNSUPPORTED:
-                    self._meta_shapes = False
-            return self._real_run(module if module is not None else self.submod, step, specs)
+                    return self._fake_run(module, step, specs)
+                except _FAKE_UNSUPPORTED:
+                    self._fake_shapes = False
+            module = module if module is not None else self.submod
+            if _is_lazy(module):  # the real module materializes at its first real forward
+                return self._real_run(copy.deepcopy(module), step, specs)
+            with _buffers_kept(module):
+                return self._real_run(module, step, specs)
 
-    def _meta_run(self, module, step: StepData, specs):
-        state = {k: torch.empty_like(v, device="meta")
+    def _fake_run(self, module, step: StepData, specs):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        # Tensors the module holds outside its parameters and buffers become fakes too.
+        mode = FakeTensorMode(allow_non_fake_inputs=True)
+        fake = functools.partial(_to_fake, mode)
+        state = {k: mode.from_tensor(v)
                  for k, v in list(module.named_parameters()) + list(module.named_buffers())}
-        kwargs = {k: _to_meta(v) for k, v in step.microbatch_kwargs(0).items()}
-        if self.is_first:
-            args, named = tuple(_to_meta(a) for a in step.args[0]), {}
-        else:
-            tensors = [torch.empty(s, dtype=d, device="meta") for s, d in specs]
-            args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_parsed))
+        kwargs = {k: fake(v) for k, v in step.microbatch_kwargs(0).items()}
+        with mode:
+            if self.is_first:
+                args, named = tuple(fake(a) for a in step.args[0]), {}
+            else:
+                tensors = [torch.empty(s, dtype=d, device=self.device) for s, d in specs]
+                args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_parsed))
 
-        def meta_call(*a, **k):
-            # tie_weights=False: with a submodule registered twice (weights shared by module),
-            # torch's tie handling swaps it twice and restores it to meta.
-            return torch.func.functional_call(module, state, a, k, tie_weights=False)
+            def fake_call(*a, **k):
+                # tie_weights=False: with a submodule registered twice (weights shared by
+                # module), torch's tie handling swaps it twice and restores it to the fakes.
+                return torch.func.functional_call(module, state, a, k, tie_weights=False)
 
-        return self._invoke(meta_call, tuple(args), {**named, **kwargs})
+            return self._invoke(fake_call, tuple(args), {**named, **kwargs})
 
     def _real_run(self, module, step: StepData, specs):
         kwargs = step.microbatch_kwargs(0)
@@ -312,6 +402,65 @@ class PipelineStage:
         tensors = [torch.zeros(s, dtype=d, device=self.device) for s, d in specs]
         args, named = _tree.as_call_args(_tree.unflatten(tensors, self._in_parsed))
         return self._invoke(module, tuple(args), {**named, **kwargs})
+
+
+# [Note: shape inference has no side effects]
+# The handshake runs each stage once on microbatch 0 to learn its outputs, before the step's
+# real forwards. One process runs no such forward, so it must leave nothing the step could see:
+# - the RNG: the default generators (CPU, and the stage's device) are forked around it and
+#   restored, as torch.random.fork_rng does, so Dropout masks and torch.rand draws of the step
+#   are the ones the rank would draw without it (docs/runtime.md#recipes says which reference
+#   that equals);
+# - buffers: a real run (fake tensors mutate only their own copies) restores every buffer of
+#   the module afterwards, so BatchNorm's running statistics and num_batches_tracked count
+#   exactly the microbatches the step ran; the module stays in its mode (eval mode would
+#   change what a train-mode forward computes);
+# - lazy parameters: a stage still holding UninitializedParameters runs a deep copy, so the
+#   module materializes at the first real forward, drawing its initial values from the
+#   generator at the point one process's first forward would.
+# Dtypes: fake tensors carry the stage's device, so autocast (entered around step() or inside
+# the module) casts them as it casts the real forward's tensors.
+
+
+def _forked_rng(device: torch.device):
+    """torch.random.fork_rng over the CPU generator and `device`'s (when an accelerator)."""
+    if device.type in ("cpu", "meta"):
+        return torch.random.fork_rng(devices=[])
+    return torch.random.fork_rng(devices=[device], device_type=device.type)
+
+
+@contextlib.contextmanager
+def _buffers_kept(module: torch.nn.Module):
+    """Every buffer of `module` (and its submodules) as it was when entered, restored on exit:
+    the same tensor object in place, with its values copied back."""
+    saved = [(m, name, b, b.detach().clone()) for m in module.modules()
+             for name, b in m._buffers.items() if b is not None]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for m, name, b, value in saved:
+                m._buffers[name] = b
+                b.copy_(value)
+
+
+def _is_lazy(module: torch.nn.Module) -> bool:
+    """Whether `module` holds parameters or buffers a lazy module has not materialized yet."""
+    return any(isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
+               for t in itertools.chain(module.parameters(), module.buffers()))
+
+
+def _check_group(group, input_args) -> None:
+    """TypeError where `group` is no process group, or where one sits in input_args: torch's
+    order puts input_args, output_args, output_grads and input_grads before group."""
+    if isinstance(input_args, dist.ProcessGroup):
+        raise TypeError(
+            "zbpipe: PipelineStage got a ProcessGroup as input_args (its 5th positional argument): "
+            "torch's order is (submodule, stage_index, num_stages, device, input_args, output_args, "
+            "output_grads, input_grads, group, dw_builder, get_mesh); pass it as group=")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"zbpipe: PipelineStage's group must be a torch.distributed.ProcessGroup, "
+                        f"got {type(group).__name__}")
 
 
 def _check_scalar_loss(loss, stage: int, mb: int) -> None:
@@ -329,15 +478,10 @@ def _check_scalar_loss(loss, stage: int, mb: int) -> None:
             "scalar outputs, as loss.backward() says): reduce it in loss_fn (e.g. .mean())")
 
 
-def _to_meta(v):
-    return torch.empty_like(v, device="meta") if isinstance(v, torch.Tensor) else v
+def _to_fake(mode, v):
+    return mode.from_tensor(v) if isinstance(v, torch.Tensor) else v
 
 
 def _detach(out):
-    if isinstance(out, torch.Tensor):
-        return out.detach()
-    try:
-        flat, st = _tree.flatten(out)
-    except TypeError:
-        return out  # a last-stage output of another kind is returned as is
-    return _tree.unflatten([t.detach() for t in flat], st)
+    """The last stage's output as kept for step's return."""
+    return _tree.detached(out)

@@ -1,9 +1,14 @@
 """Terminal pictures of a simulated program: the slot grid of ``zbpipe plan`` (ranks as rows,
-one column per time slot, like the papers' figures) and short labels shared with the plots."""
+one column per time slot, like the papers' figures) and short labels shared with the plots.
+A vocabulary-parallel program's S and T passes show as "S3" / "T3"."""
 
 from __future__ import annotations
 
 from . import _C
+
+
+# The vocabulary passes (docs/vocab_parallel.md): their leading number is the rank's shard.
+VOCAB_PASSES = (_C.Kind.S, _C.Kind.T)
 
 
 def kind_letter(kind: _C.Kind) -> str:
@@ -21,6 +26,8 @@ def short_label(program: _C.Program, action: _C.Action) -> str:
     papers shade a V schedule's second chunk; canonical strings beyond two stages per rank."""
     if action.kind == _C.Kind.OVERLAP_F_B:
         return "+".join(short_label(program, sub) for sub in action.sub_actions)
+    if action.kind in VOCAB_PASSES:  # the rank's vocabulary shard: not a stage
+        return f"{kind_letter(action.kind)}{action.microbatch}"
     spr = program.num_stages // program.pp
     if spr > 2:
         return str(action)
@@ -36,18 +43,23 @@ def slot_grid(program: _C.Program, result: _C.SimResult, slot: float = 1.0) -> s
     # Width from one-slot actions so the grid stays as narrow as the labels allow.
     one_slot = [len(lab) for lab, e in zip(labels, events) if round((e.end - e.start) / slot) <= 1]
     width = max(one_slot or [2]) + 1
-    n_slots = max((round(e.end / slot) for e in events), default=0)
+    # An event covers slots round(start) .. max(round(end), round(start) + 1): half-slot times
+    # (vocabulary passes of 0.5) round to even, so the end alone may fall short of the start.
+    def end_slot(e):
+        return max(round(e.end / slot), round(e.start / slot) + 1)
+
+    n_slots = max((end_slot(e) for e in events), default=0)
     rows = []
     head = "rank"
     name_w = max(len(head), len(f"rank {program.pp - 1}")) + 1
     for r in range(program.pp):
         # Idle slots are dots up to the rank's last action (its span and warm-up wait).
-        last_end = max((round(e.end / slot) for e in events if e.rank == r), default=0)
+        last_end = max((end_slot(e) for e in events if e.rank == r), default=0)
         cells = [".".ljust(width)] * last_end + [""] * (n_slots - last_end)
         for lab, e in zip(labels, events):
             if e.rank != r:
                 continue
-            first, last = round(e.start / slot), max(round(e.end / slot), round(e.start / slot) + 1)
+            first, last = round(e.start / slot), end_slot(e)
             span = (last - first) * width - 1
             text = (lab if len(lab) <= span else lab[:span]).ljust(span, "-") + " "
             cells[first] = text

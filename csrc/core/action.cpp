@@ -12,11 +12,14 @@ struct KindName {
   Kind kind;
   std::string_view name;
 };
-// Longest names first so that prefix matching picks e.g. "SEND_F" over "S".
+// A name that is a prefix of another comes after it, so that prefix matching picks e.g.
+// "SEND_F" over "S" and "BCAST_F" over "B".
 constexpr KindName kKindNames[] = {
-    {Kind::OVERLAP_F_B, "OVERLAP_F_B"}, {Kind::SEND_F, "SEND_F"}, {Kind::RECV_F, "RECV_F"},
-    {Kind::SEND_B, "SEND_B"},           {Kind::RECV_B, "RECV_B"}, {Kind::F, "F"},
-    {Kind::B, "B"},                     {Kind::I, "I"},           {Kind::W, "W"},
+    {Kind::OVERLAP_F_B, "OVERLAP_F_B"}, {Kind::ALLREDUCE_S, "ALLREDUCE_S"}, {Kind::BCAST_F, "BCAST_F"},
+    {Kind::REDUCE_B, "REDUCE_B"},       {Kind::SEND_F, "SEND_F"},           {Kind::RECV_F, "RECV_F"},
+    {Kind::SEND_B, "SEND_B"},           {Kind::RECV_B, "RECV_B"},           {Kind::F, "F"},
+    {Kind::B, "B"},                     {Kind::I, "I"},                     {Kind::W, "W"},
+    {Kind::S, "S"},                     {Kind::T, "T"},
 };
 static_assert(sizeof(kKindNames) / sizeof(kKindNames[0]) == kNumKinds,
               "every Kind needs a name here, and Kind::kLast must name the last kind");
@@ -54,11 +57,16 @@ bool is_compute(Kind k) {
     case Kind::B:
     case Kind::I:
     case Kind::W:
-    case Kind::OVERLAP_F_B: return true;
+    case Kind::OVERLAP_F_B:
+    case Kind::S:
+    case Kind::T: return true;
     case Kind::SEND_F:
     case Kind::RECV_F:
     case Kind::SEND_B:
-    case Kind::RECV_B: return false;
+    case Kind::RECV_B:
+    case Kind::BCAST_F:
+    case Kind::ALLREDUCE_S:
+    case Kind::REDUCE_B: return false;
   }
   return false;
 }
@@ -72,11 +80,36 @@ bool is_comm(Kind k) {
     case Kind::B:
     case Kind::I:
     case Kind::W:
-    case Kind::OVERLAP_F_B: return false;
+    case Kind::OVERLAP_F_B:
+    case Kind::S:
+    case Kind::T:
+    case Kind::BCAST_F:
+    case Kind::ALLREDUCE_S:
+    case Kind::REDUCE_B: return false;
   }
   return false;
 }
 bool is_backward(Kind k) { return k == Kind::B || k == Kind::I; }
+bool is_collective(Kind k) {
+  switch (k) {
+    case Kind::BCAST_F:
+    case Kind::ALLREDUCE_S:
+    case Kind::REDUCE_B: return true;
+    case Kind::F:
+    case Kind::B:
+    case Kind::I:
+    case Kind::W:
+    case Kind::SEND_F:
+    case Kind::RECV_F:
+    case Kind::SEND_B:
+    case Kind::RECV_B:
+    case Kind::OVERLAP_F_B:
+    case Kind::S:
+    case Kind::T: return false;
+  }
+  return false;
+}
+bool is_vocab(Kind k) { return k == Kind::S || k == Kind::T || is_collective(k); }
 
 Action Action::overlap(std::vector<Action> parts) {
   Action a;
@@ -119,7 +152,7 @@ Action parse_action(std::string_view text) {
     while (!inner.empty()) {
       auto semi = inner.find(';');
       Action part = parse_action(inner.substr(0, semi));
-      if (!is_compute(part.kind) || part.kind == Kind::OVERLAP_F_B)
+      if (!is_compute(part.kind) || part.kind == Kind::OVERLAP_F_B || is_vocab(part.kind))
         bad(text, "OVERLAP_F_B may only group F/B/I/W actions");
       parts.push_back(std::move(part));
       if (semi == std::string_view::npos) break;

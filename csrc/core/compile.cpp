@@ -7,6 +7,7 @@
 #include "zbpipe/error.h"
 #include "zbpipe/limits.h"
 #include "zbpipe/passes.h"
+#include "zbpipe/vocab.h"
 
 namespace zbpipe {
 
@@ -40,7 +41,10 @@ Program build(const std::string& schedule, const BuildArgs& args) {
 
 Program compile(const std::string& schedule, const BuildArgs& args) {
   check_options(find_schedule(schedule), args);
-  return lower(build(schedule, args));
+  if (!args.vocab_parallel) return lower(build(schedule, args));
+  Program with_vocab = place_vocab(build(schedule, args), args.costs, args.vocab, args.memory);
+  validate(with_vocab);
+  return with_vocab;
 }
 
 }  // namespace zbpipe

@@ -33,7 +33,12 @@ double MemoryModel::freed_at_end(const Action& part) const {
     case Kind::RECV_F:
     case Kind::SEND_B:
     case Kind::RECV_B:
-    case Kind::OVERLAP_F_B: return 0.0;
+    case Kind::OVERLAP_F_B:
+    case Kind::S:  // the vocabulary passes' memory is vocab.h's (VocabModel::mem_s)
+    case Kind::T:
+    case Kind::BCAST_F:
+    case Kind::ALLREDUCE_S:
+    case Kind::REDUCE_B: return 0.0;
   }
   return 0.0;
 }

@@ -11,6 +11,7 @@
 #include "zbpipe/cost_model.h"
 #include "zbpipe/error.h"
 #include "zbpipe/memory_model.h"
+#include "zbpipe/passes.h"
 #include "zbpipe/simulator.h"
 
 namespace zbpipe {
@@ -76,22 +77,41 @@ class ProgramSearch {
     costs.b[0] = 0.0;
     memory.mem_w[0] = memory.mem_f[0];
     costs.comm = o_.comm;
-    const SimResult res = simulate(p_, costs, memory, /*with_timeline=*/false);
+    SimResult res;
+    if (o_.vocab) {  // the head's passes placed under this split's costs as compile() places them
+      if (compute_only_.ranks.empty()) compute_only_ = strip_comms(p_);
+      const Program placed = place_vocab(compute_only_, costs, o_.vocab->model, memory);
+      res = simulate(placed, costs, memory, o_.vocab->model, /*with_timeline=*/false);
+    } else {
+      res = simulate(p_, costs, memory, /*with_timeline=*/false);
+    }
     SplitScore out;
     out.bounds = bounds;
     out.makespan = res.makespan;
     out.peak_bytes.resize(p_.pp);
     for (int r = 0; r < p_.pp; ++r) {
-      out.peak_bytes[r] = res.peak_memory[r] + stat[r];
+      out.peak_bytes[r] = res.peak_memory[r] + stat[r] + vocab_static(r);
       if (o_.memory_budget > 0 && !within_cap(out.peak_bytes[r], o_.memory_budget)) out.fits = false;
     }
     note(out);
     return out;
   }
 
-  // makespan >= the busiest rank's m * (F + cheaper backward) summed over its stages
+  // What each rank does and holds for the vocabulary head whatever the split (0 without it).
+  double vocab_work(int r) const {
+    return o_.vocab ? (o_.vocab->model.s_time(r) + o_.vocab->model.t_time(r)) * p_.microbatches : 0.0;
+  }
+  double vocab_static(int r) const {
+    if (!o_.vocab || o_.vocab->static_bytes.empty()) return 0.0;
+    const auto& v = o_.vocab->static_bytes;
+    return v.size() == 1 ? v[0] : v.at(r);
+  }
+
+  // makespan >= the busiest rank's m * (F + cheaper backward) summed over its stages (and its
+  // vocabulary work)
   double work_bound(const std::vector<int>& bounds) const {
     std::vector<double> load(p_.pp, 0.0);
+    for (int r = 0; r < p_.pp; ++r) load[r] = vocab_work(r);
     for (int s = 0; s < p_.num_stages; ++s) load[p_.rank_of(s)] += Prefix::sum(pre_.work, bounds[s], bounds[s + 1]);
     return *std::max_element(load.begin(), load.end()) * p_.microbatches;
   }
@@ -140,6 +160,7 @@ class ProgramSearch {
     std::vector<int> bounds(p_.num_stages + 1, 0);
     bounds.back() = u_.size();
     std::vector<double> load(p_.pp, 0.0), stat(p_.pp, 0.0);
+    for (int r = 0; r < p_.pp; ++r) load[r] = vocab_work(r), stat[r] = vocab_static(r);
     place(0, bounds, load, stat);
   }
 
@@ -190,6 +211,7 @@ class ProgramSearch {
   }
 
   const Program& p_;
+  Program compute_only_;  // p_ without SEND/RECV (the vocabulary placement's input), made once
   const UnitProfile& u_;
   const Prefix& pre_;
   const PartitionOptions& o_;
@@ -220,7 +242,7 @@ void UnitProfile::check() const {
 }
 
 SplitScore score_split(const Program& program, const UnitProfile& units, const std::vector<int>& bounds,
-                       double comm, double memory_budget) {
+                       double comm, double memory_budget, const VocabPlan* vocab) {
   units.check();
   ZB_SCHEDULE_CHECK(static_cast<int>(bounds.size()) == program.num_stages + 1, "score_split: ",
                     program.num_stages + 1, " bounds for ", program.num_stages, " stages, got ", bounds.size());
@@ -232,6 +254,8 @@ SplitScore score_split(const Program& program, const UnitProfile& units, const s
   PartitionOptions o;
   o.comm = comm;
   o.memory_budget = memory_budget;
+  o.vocab = vocab;
+  if (vocab) vocab->model.check(program.pp);
   ProgramSearch search(program, units, pre, o);
   return search.score(bounds);
 }
@@ -248,6 +272,14 @@ PartitionResult plan_partition(const std::vector<Program>& programs, const UnitP
                                const PartitionOptions& options) {
   units.check();
   ZB_SCHEDULE_CHECK(!programs.empty(), "plan_partition: no candidate program");
+  if (options.vocab) {
+    const auto& v = options.vocab->static_bytes;
+    for (const Program& p : programs) {
+      options.vocab->model.check(p.pp);
+      ZB_SCHEDULE_CHECK(v.size() <= 1 || static_cast<int>(v.size()) == p.pp, "plan_partition: the vocabulary's "
+                        "static_bytes need 1 value or one per rank (", p.pp, "), got ", v.size());
+    }
+  }
   const Prefix pre(units);
   PartitionResult out;
   for (size_t k = 0; k < programs.size(); ++k) {

@@ -2,6 +2,7 @@
 #include "zbpipe/program.h"
 
 #include <algorithm>
+#include <cstdio>
 #include <utility>
 
 #include "zbpipe/error.h"
@@ -20,6 +21,36 @@ bool Program::has_comms() const {
     for (const auto& a : acts)
       if (is_comm(a.kind)) return true;
   return false;
+}
+
+namespace {
+uint64_t fnv1a(uint64_t h, const std::string& s) {
+  for (unsigned char c : s) {
+    h ^= c;
+    h *= 1099511628211ull;
+  }
+  return h;
+}
+}  // namespace
+
+std::string fingerprint(const Program& p) {
+  uint64_t h = 1469598103934665603ull;
+  for (size_t r = 0; r < p.ranks.size(); ++r) {
+    h = fnv1a(h, "|rank" + std::to_string(r));
+    for (const auto& a : p.ranks[r]) h = fnv1a(h, " " + to_string(a));
+  }
+  std::string placement;
+  for (size_t s = 0; s < p.stage_to_rank.size(); ++s)
+    placement += (s ? "," : "") + std::to_string(p.stage_to_rank[s]);
+  char hash[20];
+  std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(h));
+  return detail::str("pp=", p.pp, " stages=", p.num_stages, " microbatches=", p.microbatches,
+                     " stage_to_rank=[", placement, "] actions=#", hash);
+}
+
+bool same_program(const Program& a, const Program& b) {
+  return a.pp == b.pp && a.num_stages == b.num_stages && a.microbatches == b.microbatches &&
+         a.stage_to_rank == b.stage_to_rank && a.ranks == b.ranks;
 }
 
 namespace {

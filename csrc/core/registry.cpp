@@ -72,7 +72,12 @@ void check_options(const ScheduleInfo& info, const BuildArgs& a) {
     for (const auto& name : kBuildOptions) valid += (valid.empty() ? "" : ", ") + name;
     ZB_SCHEDULE_CHECK(has(kBuildOptions, option), "unknown compile option '", option,
                       "' (valid: ", valid, ")");
-    if (has(info.options, option)) continue;
+    if (has(info.options, option) || option == "vocab_parallel") continue;
+    if (has(kVocabOptions, option)) {
+      ZB_SCHEDULE_CHECK(a.vocab_parallel, "option '", option, "' is the vocabulary head's: it needs vocab_parallel=True");
+      continue;
+    }
+    if (a.vocab_parallel && has(kVocabPlacementCosts, option)) continue;  // they time the placement
     std::string takers;
     for (const auto& other : schedule_registry())
       if (has(other.options, option)) takers += (takers.empty() ? "" : ", ") + other.name;

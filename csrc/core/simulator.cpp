@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "passes/action_table.h"
+#include "passes/vocab_rules.h"
 #include "stage_values.h"
 #include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
@@ -18,10 +19,48 @@ namespace {
 constexpr double kUnset = -1.0;
 }  // namespace
 
+namespace {
+// The collectives of a run: when each (kind, microbatch) was last posted, by how many ranks,
+// and when it completes (kUnset until every rank posted it).
+class CollectiveClock {
+ public:
+  CollectiveClock(int pp, int microbatches, double latency)
+      : pp_(pp), latency_(latency), count_(static_cast<size_t>(microbatches) * 3, 0),
+        latest_(count_.size(), 0.0), complete_(count_.size(), kUnset) {}
+  void post(Kind k, int mb, double at) {
+    const size_t i = index(k, mb);
+    latest_[i] = std::max(latest_[i], at);
+    if (++count_[i] == pp_) complete_[i] = latest_[i] + latency_;
+  }
+  double complete(Kind k, int mb) const { return complete_[index(k, mb)]; }
+
+ private:
+  static size_t index(Kind k, int mb) {
+    return static_cast<size_t>(mb) * 3 + (k == Kind::BCAST_F ? 0 : k == Kind::ALLREDUCE_S ? 1 : 2);
+  }
+  int pp_;
+  double latency_;
+  std::vector<int> count_;
+  std::vector<double> latest_, complete_;
+};
+}  // namespace
+
 SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& memory,
                    bool with_timeline) {
+  return simulate(p, costs, memory, VocabModel{}, with_timeline);
+}
+
+SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& memory,
+                   const VocabModel& vocab, bool with_timeline) {
   costs.check(p.num_stages, p.microbatches, p.pp);
   memory.check(p.num_stages);
+  const bool vocabulary = has_vocab(p);
+  if (vocabulary) vocab.check(p.pp);
+  bool has_t = false;
+  for (const auto& acts : p.ranks)
+    for (const Action& a : acts) has_t = has_t || a.kind == Kind::T;
+  CollectiveClock collectives(p.pp, vocabulary ? p.microbatches : 0, vocab.collective);
+  std::vector<std::vector<TimelineEvent>> posts(with_timeline && vocabulary ? p.pp : 0);
   ActionTable<double> end(p.num_stages, p.microbatches, kUnset);
   const StageTable table(p.num_stages, costs, memory);
   // Time at which everything `a` needs is on a's rank (producers_of), or kUnset if some of it
@@ -58,21 +97,43 @@ SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& 
           ++next[r];
           continue;
         }
+        if (is_collective(a.kind)) {  // a post: no rank time, but REDUCE_B waits to rescale
+          double at = clock[r];
+          if (a.kind == Kind::REDUCE_B) {
+            const double stats = collectives.complete(Kind::ALLREDUCE_S, a.microbatch);
+            if (stats == kUnset) break;
+            at = clock[r] = std::max(at, stats);
+          }
+          collectives.post(a.kind, a.microbatch, at);
+          if (with_timeline) posts[r].push_back({r, a, at, 0.0});
+          ++next[r];
+          progress = true;
+          continue;
+        }
         double ready = 0.0, duration = 0.0;
         for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
-          double t = input_time(*s);
+          double t = is_vocab(s->kind) ? 0.0 : input_time(*s);
+          const Kind awaited = vocabulary ? detail::awaited_collective(p, *s) : Kind::F;
+          if (t != kUnset && awaited != Kind::F) {
+            const double c = collectives.complete(awaited, s->microbatch);
+            t = c == kUnset ? kUnset : std::max(t, c);
+          }
           if (t == kUnset) { ready = kUnset; break; }
           ready = std::max(ready, t);
-          duration += table.of(*s).duration;
+          duration += s->kind == Kind::S   ? vocab.s_time(r)
+                      : s->kind == Kind::T ? vocab.t_time(r)
+                                           : table.of(*s).duration;
         }
         if (ready == kUnset) break;
         const double start = std::max(clock[r], ready), finish = start + duration;
         // Memory: every part's addition at the common start, then every part's release.
         for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
-          held[r] += table.of(*s).added;
+          held[r] += s->kind == Kind::S ? vocab.memory(r) : is_vocab(s->kind) ? 0.0 : table.of(*s).added;
         res.peak_memory[r] = std::max(res.peak_memory[r], held[r]);
         for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
-          held[r] -= table.of(*s).freed;
+          held[r] -= s->kind == Kind::T || (s->kind == Kind::S && !has_t) ? vocab.memory(r)
+                     : is_vocab(s->kind)                                 ? 0.0
+                                                                         : table.of(*s).freed;
         for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
           end.at(s->stage, s->kind, s->microbatch) = finish;
           if (s->kind == Kind::F) res.peak_activations[r] = std::max(res.peak_activations[r], ++live[r]);
@@ -101,6 +162,11 @@ SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& 
     total_busy += res.busy[r];
     if (with_timeline)
       for (auto& ev : per_rank[r]) res.timeline.push_back(std::move(ev));
+    if (!posts.empty())
+      for (auto& ev : posts[r]) {
+        ev.end = collectives.complete(ev.action.kind, ev.action.microbatch);
+        res.collectives.push_back(std::move(ev));
+      }
   }
   res.bubble_rate = max_span > 0.0 ? 1.0 - total_busy / (p.pp * max_span) : 0.0;
   res.idle_rate = res.makespan > 0.0 ? 1.0 - total_busy / (p.pp * res.makespan) : 0.0;

@@ -7,6 +7,7 @@
 
 #include "stage_values.h"
 #include "zbpipe/error.h"
+#include "zbpipe/vocab.h"
 
 namespace zbpipe {
 
@@ -185,6 +186,8 @@ SpanBound span_lower_bound(const Program& shape, const CostModel& costs,
                            const MemoryModel& memory, const std::vector<double>& cap) {
   costs.check(shape.num_stages, shape.microbatches, shape.pp);
   memory.check(shape.num_stages);
+  ZB_SCHEDULE_CHECK(!has_vocab(shape), "span_lower_bound does not bound vocabulary-parallel programs ('",
+                    shape.schedule, "')");
   ZB_SCHEDULE_CHECK(cap.size() == 1 || static_cast<int>(cap.size()) == shape.pp,
                     "span_lower_bound: memory_cap needs 1 value or one per rank (", shape.pp,
                     "), got ", cap.size());

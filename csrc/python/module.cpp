@@ -48,7 +48,9 @@ void register_actions(py::module_& m) {
       .value("F", Kind::F).value("B", Kind::B).value("I", Kind::I).value("W", Kind::W)
       .value("SEND_F", Kind::SEND_F).value("RECV_F", Kind::RECV_F)
       .value("SEND_B", Kind::SEND_B).value("RECV_B", Kind::RECV_B)
-      .value("OVERLAP_F_B", Kind::OVERLAP_F_B);
+      .value("OVERLAP_F_B", Kind::OVERLAP_F_B)
+      .value("S", Kind::S).value("T", Kind::T).value("BCAST_F", Kind::BCAST_F)
+      .value("ALLREDUCE_S", Kind::ALLREDUCE_S).value("REDUCE_B", Kind::REDUCE_B);
 
   py::class_<Action>(m, "Action", "One schedule action; str() is PyTorch's canonical form.")
       .def_static("parse", &parse_action_arg, py::arg("text"), "The action of a canonical string (ScheduleError otherwise).")
@@ -94,6 +96,12 @@ void register_program(py::module_& m) {
                   "Builds a program from per-rank action strings (lowered if compute-only), "
                   "validated; rendezvous=True also with NCCL's rendezvous sends.")
       .def("compute_only", &strip_comms, "The program without its SEND/RECV actions.")
+      .def_property_readonly("fingerprint", &fingerprint,
+                             "What the program does, as text: topology, microbatches and a hash of the action lists "
+                             "(the name aside); the runtime's program agreement compares it with the name added.")
+      .def("__eq__", &same_program, py::is_operator(),
+           "Equal topology, microbatches and action lists (the name aside: zb_auto may build zb_h1's program).")
+      .def("__hash__", &program_hash)
       .def("__repr__", &program_repr);
 }
 
@@ -106,7 +114,16 @@ void register_compile(py::module_& m) {
         py::arg("mem_f") = py::none(), py::arg("mem_w") = py::none(),
         py::arg("memory_cap") = py::none(), py::arg("exhaustive_search") = false,
         py::arg("search_threads") = py::none(), py::arg("refine") = py::none(),
-        "Builds, lowers and validates a schedule; options left at None are not given.");
+        py::arg("vocab_parallel") = false, py::arg("s") = py::none(), py::arg("t") = py::none(),
+        py::arg("collective") = py::none(), py::arg("mem_s") = py::none(), py::arg("backlog") = py::none(),
+        py::arg("lookahead") = py::none(),
+        "Builds, lowers and validates a schedule (vocab_parallel: with the vocabulary head's S and T "
+        "passes and collectives placed, vocab.h); options left at None are not given.");
+  m.def("insert_vocab", &insert_vocab_program, py::arg("program"), py::arg("f") = std::vector<double>{1.0},
+        py::arg("b") = std::vector<double>{1.0}, py::arg("w") = std::vector<double>{1.0}, py::arg("comm") = 0.0,
+        py::arg("s") = std::vector<double>{1.0}, py::arg("t") = std::vector<double>{1.0},
+        py::arg("collective") = 0.0, py::arg("mem_s") = std::vector<double>{}, py::arg("backlog") = 2,
+        "The vocabulary pass (vocab.h) on a lowered program without vocabulary actions, then validate.");
   m.def("size_limits", &size_limits,
         "The largest program zbpipe accepts (see csrc/include/zbpipe/limits.h); larger requests "
         "raise ScheduleError before allocating.");
@@ -144,6 +161,7 @@ void register_simulator(py::module_& m) {
       .def_readonly("peak_activations", &SimResult::peak_activations)
       .def_readonly("peak_memory", &SimResult::peak_memory)
       .def_readonly("timeline", &SimResult::timeline)
+      .def_readonly("collectives", &SimResult::collectives)
       .def("__repr__", &sim_result_repr);
   py::class_<SpanBound>(m, "SpanBound", "Lower bounds of every rank's span (span_bound.h).")
       .def_readonly("span", &SpanBound::span)
@@ -162,7 +180,44 @@ void register_simulator(py::module_& m) {
   m.def("simulate", &simulate_program, py::arg("program"), py::arg("f"), py::arg("b"), py::arg("w"),
         py::arg("b_full") = std::vector<double>{}, py::arg("comm") = 0.0,
         py::arg("mem_f") = std::vector<double>{1.0}, py::arg("mem_w") = std::vector<double>{},
-        "Runs the program under per-stage costs (zbpipe.simulate takes scalars too).");
+        py::arg("s") = std::vector<double>{1.0}, py::arg("t") = std::vector<double>{1.0},
+        py::arg("collective") = 0.0, py::arg("mem_s") = std::vector<double>{},
+        "Runs the program under per-stage costs (zbpipe.simulate takes scalars too); s, t, collective "
+        "and mem_s (per rank) cost its vocabulary actions.");
+}
+
+void register_executor_options(py::module_& m) {
+  // One line each: a schedule's keyword parameters and their docs come from here
+  // (zbpipe/executor_options.py), the defaults from the C++ structs.
+  using runtime::ExecutorOptions;
+  ExecutorOptionsClass(m, "The options a schedule passes whole to every executor it builds; "
+                          "ExecutorOptions(**fields) sets any of them by name.")
+      .seconds("timeout_s", &ExecutorOptions::timeout,
+               "seconds any single wait may take before the step fails on this rank.")
+      .field("device_timing", &ExecutorOptions::device_timing,
+             "record per-action device times (accelerators) and each action's thread CPU time (cpu_ns) "
+             "in trace().")
+      .field("prepost_receives", &ExecutorOptions::prepost_receives,
+             "post every receive of a step when it starts (a send then finds its receive waiting), where "
+             "messages complete on the host (Gloo). None: on there, off on stream-ordered backends; False "
+             "posts each at its RECV action, holding fewer receive buffers at a time; True on a "
+             "stream-ordered group (NCCL, or stream_ordered=True) raises zbpipe.ScheduleError when the first "
+             "step builds the executor.")
+      .field("static_shapes", &ExecutorOptions::static_shapes,
+             "keep the first step's shapes for every step, saving the one small message per step and rank "
+             "through which the first stage's rank names the step's input signature (by default a new "
+             "signature renegotiates the shapes). Every rank must pass the same value.")
+      .field("stream_ordered", &runtime::P2POptions::stream_ordered,
+             "post and wait as on NCCL (every batch coalesced where the backend can, receives at their RECV "
+             "action, waits polled against the timeout). None: from the device (True off the CPU); True on "
+             "a CPU group runs NCCL's discipline over Gloo.")
+      .field("overlap_f_b", &ExecutorOptions::overlap_f_b,
+             "run the two halves of each OVERLAP_F_B unit (DualPipeV) at the same time: the backward (C++ "
+             "autograd) on a worker thread, with its own stream on accelerators, while this thread runs the "
+             "forward; the forward's SEND goes out as soon as it finishes. False runs them in sequence. Only "
+             "the executor's own halves overlap: a function registered for OVERLAP_F_B "
+             "(register_custom_function) runs the halves itself through ctx.run, one after the other, with "
+             "its own work between.");
 }
 
 void register_runtime(py::module_& m) {
@@ -171,12 +226,13 @@ void register_runtime(py::module_& m) {
   py::class_<runtime::Executor>(m, "Executor",
       "Runs one rank's lowered program over a c10d process group (see csrc/runtime/executor.h).")
       .def(py::init(&make_executor), py::arg("program"), py::arg("process_group"), py::arg("stages"),
-           py::arg("device"), py::kw_only(), py::arg("timeout_s") = 300.0, py::arg("device_timing") = false,
-           py::arg("prepost_receives") = py::none(), py::arg("static_shapes") = false,
-           py::arg("stream_ordered") = py::none(), py::arg("overlap_f_b") = true, py::arg("global_rank") = -1,
+           py::arg("device"), py::kw_only(), py::arg("options") = py::none(), py::arg("global_rank") = -1,
            py::arg("group_ranks") = std::vector<int>{}, py::arg("sync_groups") = py::dict(),
-           py::arg("control_group") = py::none(),
-           "`stages`: global stage index -> PipelineStage; the keywords are ExecutorOptions'.")
+           py::arg("vocab") = py::none(), py::arg("control_group") = py::none(),
+           "`stages`: global stage index -> PipelineStage; `options`: an ExecutorOptions (None: the "
+           "defaults), any of its fields also by name; `vocab`: the schedule's VocabParallelOutput, or None; "
+           "`control_group`: a callable (store, rank, size, timeout_s) -> ProcessGroup making the CPU control "
+           "groups (zbpipe/control_plane.py), or None.")
       .def("run", &run_step, py::arg("step"), py::arg("first_inputs") = py::none(), py::arg("loss_scale") = 1.0,
            "Runs one step on `step` (handed to every stage call); returns (outputs, losses) of the "
            "last stage per microbatch on its rank, else ([], []). The GIL is released; stage calls "
@@ -237,7 +293,8 @@ void register_runtime(py::module_& m) {
   py::class_<runtime::LoopbackWorld>(m, "_LoopbackWorld",
       "In-process process groups that record every post and wait (tests, the NCCL model; see "
       "csrc/runtime/loopback.h).")
-      .def(py::init<int, bool, bool>(), py::arg("size"), py::arg("stream_waits") = false, py::arg("store") = false)
+      .def(py::init<int, bool, bool, int>(), py::arg("size"), py::arg("stream_waits") = false,
+           py::arg("store") = false, py::arg("lagging_polls") = 0)
       .def_property_readonly("size", &runtime::LoopbackWorld::size)
       .def("group", &runtime::LoopbackWorld::group, py::arg("rank"))
       .def("clear_events", &runtime::LoopbackWorld::clear_events)
@@ -259,6 +316,8 @@ void register_runtime(py::module_& m) {
            "From now on a group abort takes `seconds`.")
       .def("store_requests", &runtime::LoopbackWorld::store_requests,
            "Requests made to the world's store so far (store=True), by operation.")
+      .def("settles", &runtime::LoopbackWorld::settles, py::arg("rank"),
+           "Positions in events(rank) where P2P began to settle (a step's end), since clear_events.")
       .def("events", &loopback_events, py::arg("rank"),
            "Recorded calls of `rank`: (type, work, coalesced, ops) with type 'post', 'wait' or "
            "'sync' and ops [(\"send\"|\"recv\", peer, wire tag, bytes)] on posts.");
@@ -270,7 +329,9 @@ void register_backward(py::module_& m) {
            "Number of W's roots (boundary node inputs and values sent into the weight region).")
       .def_property_readonly("captured_bytes", &runtime::WeightWork::captured_bytes,
                              "Bytes of the captured gradients W holds (beyond the graph's saved tensors).")
-      .def_property_readonly("rerun", &weight_work_rerun, "Names of the boundary nodes W runs again for their weight side.");
+      .def_property_readonly("rerun", &weight_work_rerun, "Names of the boundary nodes W runs again for their weight side.")
+      .def_property_readonly("fused", &weight_work_fused,
+                             "Why I ran the whole backward (the split could not take the graph), or None.");
   py::class_<runtime::SplitPlanCache>(m, "SplitPlanCache",
       "The I/W split's graph analysis, kept per graph shape (one per stage; the executor keeps its own).")
       .def(py::init<>())
@@ -285,6 +346,8 @@ void register_backward(py::module_& m) {
         "SplitPlanCache reused across microbatches of one stage (None analyses every call).");
   m.def("backward_weight", &runtime::backward_weight, py::arg("work"), py::call_guard<py::gil_scoped_release>(),
         "W: accumulates the parameter gradients captured by backward_input.");
+  m.def("_joint_backward_nodes", &joint_backward_nodes,
+        "torch's generated nodes the split runs whole in I: their weight side needs their input side.");
   m.def("_checkpoint_keeps_unpacked", &runtime::checkpoint_once::keeps_unpacked,
         "True while a boundary node runs its input side in I on this thread: a checkpoint "
         "unpack keeps the recomputed tensor for the node's re-run in W (zbpipe/checkpointing.py).");
@@ -299,6 +362,7 @@ PYBIND11_MODULE(_C, m) {
   register_program(m);
   register_compile(m);
   register_simulator(m);
+  register_executor_options(m);
   register_runtime(m);
   register_backward(m);
   register_partition(m);

@@ -3,6 +3,8 @@
 
 #include <memory>
 
+#include "runtime/joint_backward.h"
+
 namespace zbpipe::python {
 
 py::tuple backward_input(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& root_grads,
@@ -17,6 +19,12 @@ py::tuple backward_input(const std::vector<at::Tensor>& roots, const std::vector
 }
 
 std::size_t weight_work_roots(const runtime::WeightWork& work) { return work.roots.size(); }
+
+py::object weight_work_fused(const runtime::WeightWork& work) {
+  return work.fused.empty() ? py::object(py::none()) : py::object(py::str(work.fused));
+}
+
+py::list joint_backward_nodes() { return py::cast(runtime::joint_backward_nodes()); }
 
 py::list weight_work_rerun(const runtime::WeightWork& work) {
   py::list names;

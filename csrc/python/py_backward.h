@@ -22,5 +22,9 @@ py::tuple backward_input(const std::vector<at::Tensor>& roots, const std::vector
 std::size_t weight_work_roots(const runtime::WeightWork& work);
 // Names of the boundary nodes W runs again for their weight side.
 py::list weight_work_rerun(const runtime::WeightWork& work);
+// Why I ran the whole backward (WeightWork::fused), or None.
+py::object weight_work_fused(const runtime::WeightWork& work);
+// runtime::joint_backward_nodes(), for the test that checks it against torch.
+py::list joint_backward_nodes();
 
 }  // namespace zbpipe::python

@@ -14,6 +14,7 @@
 #include "zbpipe/passes.h"
 #include "zbpipe/program_io.h"
 #include "zbpipe/refine.h"
+#include "zbpipe/vocab.h"
 #include "python/arguments.h"
 #include "python/interrupt.h"
 
@@ -69,7 +70,10 @@ Program compile_program(const std::string& name, int64_t pp, int64_t microbatche
                         std::optional<double> comm, std::optional<std::vector<double>> mem_f,
                         std::optional<std::vector<double>> mem_w, std::optional<double> memory_cap,
                         bool exhaustive_search, std::optional<int> search_threads,
-                        std::optional<bool> refine) {
+                        std::optional<bool> refine, bool vocab_parallel,
+                        std::optional<std::vector<double>> s, std::optional<std::vector<double>> t,
+                        std::optional<double> collective, std::optional<std::vector<double>> mem_s,
+                        std::optional<int> backlog, std::optional<int> lookahead) {
   BuildArgs args = build_args(name, pp, microbatches, stages_per_rank);
   auto take = [&](const char* option, auto& from, auto& to) {
     if (!from) return;
@@ -90,6 +94,16 @@ Program compile_program(const std::string& name, int64_t pp, int64_t microbatche
   }
   take("search_threads", search_threads, args.search_threads);
   take("refine", refine, args.refine);
+  if (vocab_parallel) {
+    args.vocab_parallel = true;
+    args.given.emplace_back("vocab_parallel");
+  }
+  take("s", s, args.vocab.s);
+  take("t", t, args.vocab.t);
+  take("collective", collective, args.vocab.collective);
+  take("mem_s", mem_s, args.vocab.mem_s);
+  take("backlog", backlog, args.vocab.backlog);
+  take("lookahead", lookahead, args.vocab.lookahead);
   return interruptible([&] { return compile(name, args); });
 }
 
@@ -98,17 +112,45 @@ Program build_program(const std::string& name, int64_t pp, int64_t microbatches,
   return interruptible([&] { return build(name, args); });
 }
 
+namespace {
+VocabModel make_vocab(std::vector<double> s, std::vector<double> t, double collective, std::vector<double> mem_s,
+                      int backlog = 2) {
+  VocabModel v;
+  v.s = std::move(s);
+  v.t = std::move(t);
+  v.collective = collective;
+  v.mem_s = std::move(mem_s);
+  v.backlog = backlog;
+  return v;
+}
+}  // namespace
+
 SimResult simulate_program(const Program& p, std::vector<double> f, std::vector<double> b,
                            std::vector<double> w, std::vector<double> b_full, double comm,
-                           std::vector<double> mem_f, std::vector<double> mem_w) {
+                           std::vector<double> mem_f, std::vector<double> mem_w, std::vector<double> s,
+                           std::vector<double> t, double collective, std::vector<double> mem_s) {
   const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), std::move(b_full), comm);
   const MemoryModel memory = make_memory(std::move(mem_f), std::move(mem_w));
-  return interruptible([&] { return simulate(p, costs, memory); });
+  const VocabModel vocab = make_vocab(std::move(s), std::move(t), collective, std::move(mem_s));
+  return interruptible([&] { return simulate(p, costs, memory, vocab); });
+}
+
+Program insert_vocab_program(const Program& lowered, std::vector<double> f, std::vector<double> b,
+                             std::vector<double> w, double comm, std::vector<double> s, std::vector<double> t,
+                             double collective, std::vector<double> mem_s, int backlog) {
+  const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), {}, comm);
+  const VocabModel vocab = make_vocab(std::move(s), std::move(t), collective, std::move(mem_s), backlog);
+  return interruptible([&] {
+    Program out = insert_vocab(lowered, costs, vocab);
+    validate(out);
+    return out;
+  });
 }
 
 SpanBound span_lower_bound_program(const Program& p, std::vector<double> f, std::vector<double> b,
                                    std::vector<double> w, double comm, std::vector<double> mem_f,
                                    std::vector<double> mem_w, std::vector<double> memory_cap) {
+  ZB_SCHEDULE_CHECK(!has_vocab(p), "lower_bound does not bound vocabulary-parallel programs ('", p.schedule, "')");
   const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), {}, comm);
   const MemoryModel memory = make_memory(std::move(mem_f), std::move(mem_w));
   return interruptible([&] {
@@ -122,6 +164,8 @@ Program refine_program(const Program& p, std::vector<double> f, std::vector<doub
                        const std::string& objective, int64_t budget) {
   ZB_SCHEDULE_CHECK(objective == "span" || objective == "makespan",
                     "refine: objective must be 'span' or 'makespan', got '", objective, "'");
+  ZB_SCHEDULE_CHECK(!has_vocab(p), "refine does not reorder vocabulary-parallel programs ('", p.schedule,
+                    "'): refine the program without them, then compile with vocab_parallel");
   const CostModel costs = make_costs(std::move(f), std::move(b), std::move(w), {}, comm);
   const MemoryModel memory = make_memory(std::move(mem_f), std::move(mem_w));
   RefineOptions opt;
@@ -207,6 +251,7 @@ std::vector<std::string> compute_actions(const Program& p, int rank) { return ac
 
 bool action_is_compute(const Action& a) { return is_compute(a.kind); }
 std::size_t action_hash(const Action& a) { return std::hash<std::string>()(to_string(a)); }
+std::size_t program_hash(const Program& p) { return std::hash<std::string>()(fingerprint(p)); }
 
 std::string program_repr(const Program& p) {
   return detail::str("Program(schedule='", p.schedule, "', pp=", p.pp, ", num_stages=", p.num_stages,

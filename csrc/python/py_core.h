@@ -31,13 +31,26 @@ Program compile_program(const std::string& name, int64_t pp, int64_t microbatche
                         std::optional<double> comm, std::optional<std::vector<double>> mem_f,
                         std::optional<std::vector<double>> mem_w, std::optional<double> memory_cap,
                         bool exhaustive_search, std::optional<int> search_threads,
-                        std::optional<bool> refine);
+                        std::optional<bool> refine, bool vocab_parallel = false,
+                        std::optional<std::vector<double>> s = std::nullopt,
+                        std::optional<std::vector<double>> t = std::nullopt,
+                        std::optional<double> collective = std::nullopt,
+                        std::optional<std::vector<double>> mem_s = std::nullopt,
+                        std::optional<int> backlog = std::nullopt, std::optional<int> lookahead = std::nullopt);
 // Only the builder: the compute-only program, neither lowered nor validated.
 Program build_program(const std::string& name, int64_t pp, int64_t microbatches, int64_t stages_per_rank);
 // Costs as CostModel's lists; mem_w empty: mem_w = mem_f (memory_model.h).
+// s, t, collective, mem_s: the vocabulary head's (vocab.h; used where the program has
+// vocabulary actions), mem_s empty: none.
 SimResult simulate_program(const Program& p, std::vector<double> f, std::vector<double> b,
                            std::vector<double> w, std::vector<double> b_full, double comm,
-                           std::vector<double> mem_f, std::vector<double> mem_w);
+                           std::vector<double> mem_f, std::vector<double> mem_w,
+                           std::vector<double> s = {1.0}, std::vector<double> t = {1.0},
+                           double collective = 0.0, std::vector<double> mem_s = {});
+// insert_vocab (vocab.h) on a lowered program, placed under these costs; then validated.
+Program insert_vocab_program(const Program& lowered, std::vector<double> f, std::vector<double> b,
+                             std::vector<double> w, double comm, std::vector<double> s, std::vector<double> t,
+                             double collective, std::vector<double> mem_s, int backlog);
 // span_bound.h's bound and refine.h's pass under these costs and memory; memory_cap: one value
 // or one per rank, or empty for the program's own peak memory under the model.
 SpanBound span_lower_bound_program(const Program& p, std::vector<double> f, std::vector<double> b,
@@ -74,6 +87,7 @@ std::vector<std::string> compute_actions(const Program& p, int rank);
 
 bool action_is_compute(const Action& a);
 std::size_t action_hash(const Action& a);
+std::size_t program_hash(const Program& p);  // of its fingerprint: equal programs, equal hashes
 std::string program_repr(const Program& p);
 std::string timeline_event_repr(const TimelineEvent& e);
 std::string sim_result_repr(const SimResult& r);

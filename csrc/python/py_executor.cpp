@@ -5,6 +5,7 @@
 #include <map>
 
 #include "python/py_stage.h"
+#include "python/py_vocab.h"
 #include "python/step_interrupt.h"
 #include "runtime/replica_barrier.h"
 #include "runtime/p2p.h"
@@ -64,31 +65,73 @@ py::tuple signature_to_py(const runtime::Signature& s) {
   return py::make_tuple(specs_to_py(s.specs), s.structure);
 }
 
+// `base` with `fields` (name -> value) set through the class's properties: TypeError for a
+// name that is no field, or a value of the wrong type.
+PyExecutorOptions with_fields(PyExecutorOptions base, const py::dict& fields) {
+  if (fields.empty()) return base;
+  py::object options = py::cast(std::move(base));
+  const py::object known = py::type::handle_of(options).attr("fields");
+  for (auto [name, value] : fields) {
+    if (!known.contains(name))
+      throw py::type_error(detail::str("ExecutorOptions has no field '", py::str(name).cast<std::string>(),
+                                       "' (its fields: ", py::str(", ").attr("join")(known).cast<std::string>(), ")"));
+    py::setattr(options, name, value);
+  }
+  return options.cast<PyExecutorOptions>();
+}
+
 }  // namespace
+
+ExecutorOptionsClass::ExecutorOptionsClass(py::module_& m, const char* doc) : cls_(m, "ExecutorOptions", doc) {
+  cls_.attr("fields") = py::tuple();
+  cls_.def(py::init([](const py::kwargs& fields) { return with_fields(PyExecutorOptions{}, fields); }));
+  cls_.def("__repr__", [](const py::object& self) {
+    std::string out = "ExecutorOptions(";
+    const char* sep = "";
+    for (auto name : py::type::handle_of(self).attr("fields")) {
+      out += sep + name.cast<std::string>() + "=" + py::repr(self.attr(name)).cast<std::string>();
+      sep = ", ";
+    }
+    return out + ")";
+  });
+}
+
+ExecutorOptionsClass& ExecutorOptionsClass::seconds(
+    const char* name, std::chrono::milliseconds runtime::ExecutorOptions::*member, const char* doc) {
+  cls_.def_property(
+      name, [member](const PyExecutorOptions& o) { return (o.executor.*member).count() / 1000.0; },
+      [member, name](PyExecutorOptions& o, const py::handle& v) {
+        o.executor.*member = to_ms(arg<double>(v, "ExecutorOptions", name, "a number of seconds"));
+      },
+      doc);
+  return listed(name);
+}
+
+ExecutorOptionsClass& ExecutorOptionsClass::listed(const char* name) {
+  py::list names(cls_.attr("fields"));
+  names.append(name);
+  cls_.attr("fields") = py::tuple(names);
+  return *this;
+}
 
 std::unique_ptr<runtime::Executor> make_executor(
     const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
-    const py::dict& stages, const at::Device& device, double timeout_s, bool device_timing,
-    std::optional<bool> prepost_receives, bool static_shapes, std::optional<bool> stream_ordered,
-    bool overlap_f_b, int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups,
-    py::object control_group) {
+    const py::dict& stages, const at::Device& device, const std::optional<PyExecutorOptions>& options,
+    int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups, const py::object& vocab,
+    py::object control_group, const py::kwargs& fields) {
   std::map<int, std::shared_ptr<runtime::StageHandle>> handles;
   for (auto [index, stage] : stages)
     handles[index.cast<int>()] = std::make_shared<PyStage>(py::reinterpret_borrow<py::object>(stage));
-  runtime::ExecutorOptions options;
-  options.timeout = to_ms(timeout_s);
-  options.device_timing = device_timing;
-  options.prepost_receives = prepost_receives;
-  options.static_shapes = static_shapes;
-  options.overlap_f_b = overlap_f_b;
-  options.global_rank = global_rank;
-  options.group_ranks = std::move(group_ranks);
-  options.sync_groups = sync_groups_from_py(sync_groups);
-  options.control_group = control_group_factory(std::move(control_group));
-  runtime::P2POptions p2p_options;
-  p2p_options.stream_ordered = stream_ordered;
+  const PyExecutorOptions chosen = with_fields(options.value_or(PyExecutorOptions{}), fields);
+  runtime::ExecutorOptions executor_options = chosen.executor;
+  executor_options.global_rank = global_rank;
+  executor_options.group_ranks = std::move(group_ranks);
+  executor_options.sync_groups = sync_groups_from_py(sync_groups);
+  if (!vocab.is_none()) executor_options.vocab = std::make_shared<PyVocab>(vocab);
+  executor_options.control_group = control_group_factory(std::move(control_group));
   return std::make_unique<runtime::Executor>(
-      program, std::make_unique<runtime::P2P>(process_group, device, p2p_options), std::move(handles), options);
+      program, std::make_unique<runtime::P2P>(process_group, device, chosen.p2p), std::move(handles),
+      std::move(executor_options));
 }
 
 py::tuple run_step(runtime::Executor& executor, py::object step, py::object first_inputs,

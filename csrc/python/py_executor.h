@@ -8,11 +8,14 @@
 
 #include <pybind11/pybind11.h>
 
+#include <chrono>
 #include <memory>
 #include <optional>
 #include <string>
+#include <type_traits>
 #include <vector>
 
+#include "python/arguments.h"
 #include "runtime/executor.h"
 #include "runtime/loopback.h"
 
@@ -20,18 +23,67 @@ namespace zbpipe::python {
 
 namespace py = pybind11;
 
-// Executor(program, process_group, stages, device, *, timeout_s, ...): `stages` maps global
-// stage index -> zbpipe.PipelineStage (each wrapped in a PyStage); the keywords are
-// ExecutorOptions' and P2POptions' fields, timeout in seconds; `sync_groups` maps a stage
-// index to the list of its data-parallel process groups; `control_group`, a callable
-// (store, rank, size, timeout_s) -> ProcessGroup (zbpipe/control_plane.py), makes the CPU
-// control groups (ExecutorOptions::control_group; None: only backends that bring their own).
+// zbpipe._C.ExecutorOptions: what a schedule passes whole to every executor it builds, the
+// user's options of the Executor and of its P2P. (The wiring -- this rank's global rank, the
+// group's, the data-parallel groups -- is the Executor's own arguments.)
+struct PyExecutorOptions {
+  runtime::ExecutorOptions executor;
+  runtime::P2POptions p2p;
+};
+
+// The class zbpipe._C.ExecutorOptions, registered field by field (module.cpp): each option a
+// read-write property with its doc and a one-line TypeError for a value of the wrong type, its
+// default the C++ struct's, its name listed in the class's `fields`, whence the schedules take
+// their keyword parameters and docs (zbpipe/executor_options.py). So an option is written
+// twice: in its struct (executor.h or p2p.h) and in one line of module.cpp.
+// ExecutorOptions(**fields) sets fields by name (TypeError for a name that is none).
+class ExecutorOptionsClass {
+ public:
+  ExecutorOptionsClass(py::module_& m, const char* doc);
+  // A field of runtime::ExecutorOptions or runtime::P2POptions.
+  template <class Part, class T>
+  ExecutorOptionsClass& field(const char* name, T Part::*member, const char* doc) {
+    cls_.def_property(
+        name, [member](const PyExecutorOptions& o) { return part<Part>(o).*member; },
+        [member, name](PyExecutorOptions& o, const py::handle& v) {
+          part<Part>(o).*member = arg<T>(v, "ExecutorOptions", name, takes<T>());
+        },
+        doc);
+    return listed(name);
+  }
+  // A duration of runtime::ExecutorOptions, in seconds on the Python side.
+  ExecutorOptionsClass& seconds(const char* name, std::chrono::milliseconds runtime::ExecutorOptions::*member,
+                                const char* doc);
+
+ private:
+  template <class Part, class Options>
+  static auto& part(Options& o) {
+    static_assert(std::is_same_v<Part, runtime::ExecutorOptions> || std::is_same_v<Part, runtime::P2POptions>);
+    if constexpr (std::is_same_v<Part, runtime::P2POptions>) return o.p2p;
+    else return o.executor;
+  }
+  template <class T>
+  static const char* takes() {
+    if constexpr (std::is_same_v<T, bool>) return "a bool";
+    else if constexpr (std::is_same_v<T, std::optional<bool>>) return "a bool or None";
+    else return "a number";
+  }
+  ExecutorOptionsClass& listed(const char* name);
+  py::class_<PyExecutorOptions> cls_;
+};
+
+// Executor(program, process_group, stages, device, *, options=None, global_rank, group_ranks,
+// sync_groups, vocab=None, **fields): `stages` maps global stage index -> zbpipe.PipelineStage
+// (each wrapped in a PyStage); `options` an ExecutorOptions (None: the defaults), `fields` any
+// of its fields by name on top of it; `sync_groups` maps a stage index to the list of its
+// data-parallel process groups; `vocab` the schedule's zbpipe.VocabParallelOutput (a PyVocab);
+// `control_group`, a callable (store, rank, size, timeout_s) -> ProcessGroup (zbpipe/control_plane.py),
+// makes the CPU control groups (ExecutorOptions::control_group; None: only backends that bring their own).
 std::unique_ptr<runtime::Executor> make_executor(
     const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
-    const py::dict& stages, const at::Device& device, double timeout_s, bool device_timing,
-    std::optional<bool> prepost_receives, bool static_shapes, std::optional<bool> stream_ordered,
-    bool overlap_f_b, int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups,
-    py::object control_group);
+    const py::dict& stages, const at::Device& device, const std::optional<PyExecutorOptions>& options,
+    int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups, const py::object& vocab,
+    py::object control_group, const py::kwargs& fields);
 
 // A Python callable (store, rank, size, timeout_s) -> ProcessGroup as a ControlGroupFactory:
 // called with the GIL taken; the callable is released with the GIL too. None: an empty one.

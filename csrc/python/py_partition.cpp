@@ -4,6 +4,7 @@
 
 #include <pybind11/stl.h>
 
+#include <optional>
 #include <utility>
 #include <vector>
 
@@ -22,14 +23,37 @@ UnitProfile make_units(std::vector<double> f, std::vector<double> i, std::vector
                      std::move(mem_f), std::move(mem_w), std::move(static_bytes)};
 }
 
+// vocab: None, or a dict with the head's per-rank s, t, mem_s, static_bytes (lists) and
+// collective (seconds): partition.h's VocabPlan.
+std::optional<VocabPlan> vocab_plan(const py::object& vocab) {
+  if (vocab.is_none()) return std::nullopt;
+  const auto d = vocab.cast<py::dict>();
+  VocabPlan v;
+  v.model.s = d["s"].cast<std::vector<double>>();
+  v.model.t = d["t"].cast<std::vector<double>>();
+  v.model.mem_s = d["mem_s"].cast<std::vector<double>>();
+  v.model.collective = d["collective"].cast<double>();
+  v.static_bytes = d["static_bytes"].cast<std::vector<double>>();
+  return v;
+}
+
 PartitionResult plan(const std::vector<Program>& programs, const UnitProfile& units, double comm,
-                     double memory_budget, int64_t exhaustive_limit, int64_t local_search_evals) {
+                     double memory_budget, int64_t exhaustive_limit, int64_t local_search_evals,
+                     const py::object& vocab) {
   PartitionOptions o;
   o.comm = comm;
   o.memory_budget = memory_budget;
   o.exhaustive_limit = exhaustive_limit;
   o.local_search_evals = local_search_evals;
+  const std::optional<VocabPlan> v = vocab_plan(vocab);
+  if (v) o.vocab = &*v;
   return interruptible([&] { return plan_partition(programs, units, o); });
+}
+
+SplitScore score(const Program& program, const UnitProfile& units, const std::vector<int>& bounds, double comm,
+                 double memory_budget, const py::object& vocab) {
+  const std::optional<VocabPlan> v = vocab_plan(vocab);
+  return score_split(program, units, bounds, comm, memory_budget, v ? &*v : nullptr);
 }
 
 }  // namespace
@@ -60,12 +84,13 @@ void register_partition(py::module_& m) {
       .def_readonly("per_program", &PartitionResult::per_program);
   m.def("plan_partition", &plan, py::arg("programs"), py::arg("units"), py::arg("comm") = 0.0,
         py::arg("memory_budget") = 0.0, py::arg("exhaustive_limit") = int64_t{50'000},
-        py::arg("local_search_evals") = int64_t{200},
+        py::arg("local_search_evals") = int64_t{200}, py::arg("vocab") = py::none(),
         "The least simulated step over the programs and contiguous splits of the units within the "
         "budget (bytes per rank, <= 0: none); exhaustive where a program has <= exhaustive_limit splits.");
-  m.def("score_split", &score_split, py::arg("program"), py::arg("units"), py::arg("bounds"),
-        py::arg("comm") = 0.0, py::arg("memory_budget") = 0.0,
-        "One split (num_stages + 1 unit bounds) simulated on one program.");
+  m.def("score_split", &score, py::arg("program"), py::arg("units"), py::arg("bounds"),
+        py::arg("comm") = 0.0, py::arg("memory_budget") = 0.0, py::arg("vocab") = py::none(),
+        "One split (num_stages + 1 unit bounds) simulated on one program (vocab: the head split over "
+        "the ranks, a dict of per-rank s, t, mem_s, static_bytes and collective).");
   m.def("even_bounds", &even_bounds, py::arg("units"), py::arg("num_stages"),
         "Bounds of the even split (the first stages one unit more where it does not divide).");
 }

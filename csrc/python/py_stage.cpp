@@ -1,6 +1,8 @@
 // PyStage and the opaque-value holders (see py_stage.h).
 #include "python/py_stage.h"
 
+#include <torch/csrc/Exceptions.h>
+
 #include "zbpipe/error.h"
 
 namespace zbpipe::python {
@@ -34,19 +36,26 @@ runtime::Signature signature_from_py(const py::handle& obj) {
 
 runtime::StageError stage_error(py::error_already_set& e) {
   try {
+    return stage_error(e.type(), e.value(), e.trace());
+  } catch (...) {
+    return runtime::StageError(e.what(), "");
+  }
+}
+
+runtime::StageError stage_error(py::handle type, py::handle value, py::handle trace_obj) {
+  {
     auto tb = py::module_::import("traceback");
-    std::string summary = py::str("").attr("join")(tb.attr("format_exception_only")(e.type(), e.value()))
+    std::string summary = py::str("").attr("join")(tb.attr("format_exception_only")(type, value))
                               .cast<std::string>();
     while (!summary.empty() && summary.back() == '\n') summary.pop_back();
-    std::string trace = py::str("").attr("join")(tb.attr("format_exception")(e.type(), e.value(), e.trace()))
-                            .cast<std::string>();
+    std::string trace = trace_obj.is_none() ? std::string()
+                        : py::str("").attr("join")(tb.attr("format_exception")(type, value, trace_obj))
+                              .cast<std::string>();
     // The traceback ends with the summary, which the report's first line already says: once.
     while (!trace.empty() && trace.back() == '\n') trace.pop_back();
     if (trace.size() > summary.size() && trace.compare(trace.size() - summary.size(), summary.size(), summary) == 0)
       trace.resize(trace.size() - summary.size());
     return runtime::StageError(std::move(summary), std::move(trace));
-  } catch (...) {
-    return runtime::StageError(e.what(), "");
   }
 }
 
@@ -106,6 +115,45 @@ void PyStage::end_gradient_sync() {
 void PyStage::use_inputs(const runtime::Signature& inputs) {
   py::gil_scoped_acquire gil;
   guarded([&] { stage_.attr("_zb_use_inputs")(inputs.structure); });
+}
+
+void PyStage::before_backward_on_worker(const runtime::StepData& step, int mb) {
+  py::gil_scoped_acquire gil;
+  guarded([&] { stage_.attr("_zb_before_backward_on_worker")(step_object(step), mb); });
+}
+
+void PyStage::split_fell_back(const std::string& reason) {
+  py::gil_scoped_acquire gil;
+  guarded([&] { stage_.attr("_zb_split_fell_back")(reason); });
+}
+
+std::exception_ptr PyStage::describe_backward_error(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const python_error& e) {
+    py::gil_scoped_acquire gil;
+    // torch's PythonEngine::execute restores the error into this thread's interpreter state
+    // before it rethrows (for a Python caller to raise): it is the one described here, and
+    // left set it would fail this thread's next call into Python.
+    PyErr_Clear();
+    if (!e.type) return error;  // not fetched from the interpreter: its message is all there is
+    // torch fetched it unnormalized (the value may still be the exception's arguments).
+    PyObject *type = e.type, *value = e.value, *trace = e.traceback;
+    Py_XINCREF(type);
+    Py_XINCREF(value);
+    Py_XINCREF(trace);
+    PyErr_NormalizeException(&type, &value, &trace);
+    auto t = py::reinterpret_steal<py::object>(type), v = py::reinterpret_steal<py::object>(value);
+    auto tb = py::reinterpret_steal<py::object>(trace);
+    if (PyErr_GivenExceptionMatches(t.ptr(), PyExc_KeyboardInterrupt)) return std::make_exception_ptr(Cancelled());
+    try {
+      return std::make_exception_ptr(stage_error(t, v ? v : py::none(), tb ? tb : py::none()));
+    } catch (py::error_already_set&) {
+      return error;  // formatting failed: the message as torch built it
+    }
+  } catch (...) {
+    return error;
+  }
 }
 
 runtime::Signature PyStage::infer_outputs(const runtime::StepData& step, const runtime::Signature& inputs) {

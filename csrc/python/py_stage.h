@@ -50,6 +50,8 @@ runtime::Signature signature_from_py(const py::handle& obj);
 // every rank's report) and its formatted traceback without that summary at its end (shown on
 // this rank only), so the user's message appears once.
 runtime::StageError stage_error(py::error_already_set& e);
+// The same from a Python exception's type, value and traceback (the GIL held).
+runtime::StageError stage_error(py::handle type, py::handle value, py::handle trace);
 // Runs f() (with the GIL held) and turns a Python exception into a StageError (stage_error);
 // KeyboardInterrupt (Ctrl-C reached the stage's code) into zbpipe::Cancelled, so the step
 // ends as interrupted (see step_interrupt.h). `where` names the Python code that raised.
@@ -66,7 +68,8 @@ auto guarded(F&& f, const char* where = "the stage") -> decltype(f()) {
 }
 
 // Each call re-acquires the GIL (the executor runs without it); Python exceptions become
-// StageErrors (guarded). The stage's _zb_* methods are looked up once, at construction.
+// StageErrors (guarded). The stage's _zb_* methods (the Python list: zbpipe/stage_interface.py)
+// are looked up once, at construction, or by name at each call.
 class PyStage final : public runtime::StageHandle {
  public:
   explicit PyStage(py::object stage);
@@ -83,6 +86,11 @@ class PyStage final : public runtime::StageHandle {
   void end_gradient_sync() override;
   void use_inputs(const runtime::Signature& inputs) override;
   runtime::Signature infer_outputs(const runtime::StepData& step, const runtime::Signature& inputs) override;
+  void before_backward_on_worker(const runtime::StepData& step, int mb) override;
+  void split_fell_back(const std::string& reason) override;
+  // A Python exception raised inside the engine (torch's python_error: a custom Function's
+  // backward, a hook) as a StageError, KeyboardInterrupt as Cancelled; anything else as it is.
+  std::exception_ptr describe_backward_error(std::exception_ptr error) override;
 
  private:
   py::object stage_, forward_, weight_work_, weight_queued_, infer_;

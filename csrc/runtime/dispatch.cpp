@@ -7,6 +7,7 @@
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 #include "zbpipe/passes.h"
+#include "zbpipe/vocab.h"
 
 namespace zbpipe::runtime {
 
@@ -26,7 +27,7 @@ namespace {
 class Builder {
  public:
   Builder(const Program& p, int rank, bool overlap_f_b)
-      : p_(p), rank_(rank), overlap_f_b_(overlap_f_b), acts_(p.ranks.at(rank)),
+      : p_(p), rank_(rank), overlap_f_b_(overlap_f_b), vocab_(has_vocab(p)), acts_(p.ranks.at(rank)),
         batches_(comm_batches(acts_, overlap_f_b)), local_of_(p.num_stages, -1) {
     table_.stages = p.stages_of(rank);
     for (size_t i = 0; i < table_.stages.size(); ++i) local_of_[table_.stages[i]] = static_cast<int>(i);
@@ -40,6 +41,10 @@ class Builder {
       const Action& a = acts_[i];
       if (is_comm(a.kind)) {
         add_batch(i);
+        continue;
+      }
+      if (is_vocab(a.kind)) {
+        add_vocab(i++);
         continue;
       }
       ZB_CHECK(is_compute(a.kind), "unexpected action '", to_string(a), "'");
@@ -98,10 +103,29 @@ class Builder {
       if (same_rank(to)) e.handoff = local_of_[to];
       else e.to_send = true;
     }
+    if (vocab_) {
+      e.to_vocab = part.kind == Kind::F && part.stage == p_.num_stages - 1;
+      e.needs_vocab_grad = needs_vocab_grad(p_, part);
+    }
     e.label = to_string(part);
     if (acts_[index].kind == Kind::OVERLAP_F_B) e.unit = to_string(acts_[index]);
     table_.entries.push_back(std::move(e));
     return table_.entries.back();
+  }
+
+  // A vocabulary action (vocab.h): this rank's shard, run by the executor's VocabRun.
+  void add_vocab(size_t index) {
+    const Action& a = acts_[index];
+    ZB_CHECK(a.stage == rank_, "vocabulary action '", to_string(a), "' on rank ", rank_,
+             " names another shard");
+    check_microbatch(a);
+    Entry e;
+    e.kind = a.kind;
+    e.index = static_cast<int>(index);
+    e.stage = a.stage;
+    e.mb = a.microbatch;
+    e.label = to_string(a);
+    table_.entries.push_back(std::move(e));
   }
 
   // The backward half on the worker, the forward half here at the same time, then F's SEND
@@ -168,6 +192,7 @@ class Builder {
   const Program& p_;
   const int rank_;
   const bool overlap_f_b_;
+  const bool vocab_;  // the program has vocabulary actions
   const std::vector<Action>& acts_;
   const std::vector<CommBatch> batches_;
   size_t next_batch_ = 0;

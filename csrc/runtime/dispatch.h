@@ -30,10 +30,16 @@ struct Entry {
   bool concurrent = false;  // runs while the worker may be busy (that unit's forward half, its SEND)
   bool sync_grads = false;  // the stage's last B or W of a step, wrapped in gradient sync
                             // (mark_gradient_sync: it depends on the stages, not the program)
+  // Vocabulary parallelism (vocab.h): an F of the last stage whose output is the head's input,
+  // a backward of the last stage that starts from the head's reduced gradient. A vocabulary
+  // action itself has `stage` = its shard (this rank) and `local` = -1.
+  bool to_vocab = false;
+  bool needs_vocab_grad = false;
   std::string label;        // the trace's name: the part, or a batch's actions joined by '+'
   std::string unit;         // a part of an OVERLAP_F_B: that unit's action string, else ""
 
   bool is_comm() const { return ::zbpipe::is_comm(kind); }
+  bool is_vocab() const { return ::zbpipe::is_vocab(kind); }
 };
 
 // One communication action of a batch.

@@ -7,11 +7,13 @@
 #include <ATen/ops/zeros_like.h>
 
 #include "runtime/errors.h"
+#include "runtime/graph_outputs.h"
 #include "runtime/host_memory.h"
 #include "runtime/replica_barrier.h"
 #include "runtime/trace_scope.h"
 #include "zbpipe/cancel.h"
 #include "zbpipe/passes.h"
+#include "zbpipe/vocab.h"
 
 namespace zbpipe::runtime {
 
@@ -56,6 +58,14 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
   ZB_SCHEDULE_CHECK(program_.has_comms() || program_.pp == 1,
                     "the executor runs lowered programs (with SEND/RECV); got a compute-only one");
   check_placement(program_, rank(), stages);
+  ZB_SCHEDULE_CHECK(has_vocab(program_) == (options_.vocab != nullptr), "the program '", program_.schedule,
+                    options_.vocab ? "' has no vocabulary actions but a vocabulary-parallel output was given"
+                                   : "' has vocabulary actions but no vocabulary-parallel output was given");
+  if (options_.vocab) {
+    ZB_SCHEDULE_CHECK(!p2p_->stream_ordered(), "vocabulary parallelism runs on backends whose messages complete "
+                      "on the host (Gloo) so far; this group (", p2p_->backend_name(), ") is stream-ordered");
+    vocab_ = std::make_unique<VocabRun>(*p2p_, options_.vocab, program_);
+  }
   // Stream-ordered backends: refuse a program whose posts would deadlock there (a send
   // completes only once its receive is posted), before any message.
   if (p2p_->stream_ordered() && program_.pp > 1) validate_rendezvous(program_);
@@ -138,11 +148,15 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
     trace_[i].wait_ns = 0;
     if (failures_.interrupted()) fail_step(e.index, Cancelled());
     if (!e.concurrent) join_worker();  // an overlapped unit ends before what follows it
-    if (e.on_worker) start_on_worker(i);
+    if (e.on_worker && may_overlap(e)) start_on_worker(i);
     else run_here(i);
     check_comms(e.index, false);
   }
   join_worker();
+  if (vocab_ && !result.losses.empty())  // the root reports the head's losses
+    or_fail_step(kStepEnd, [&] {
+      for (int mb = 0; mb < program_.microbatches; ++mb) result.losses[mb] = vocab_->loss(mb);
+    });
   end_step();
   return result;
 }
@@ -153,9 +167,22 @@ void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
     failures_.arm();
     const std::function<void()> stop = [this] { failures_.check_stop(); };
     const std::function<P2P&()> control = [this]() -> P2P& { return this->control(); };
-    agreement_.before_step({*step_.data, first_inputs, failures_.step(), options_.timeout, failures_.watch(),
-                            failures_.id(), failures_.global(program_.rank_of(0)), stop, control});
+    agreement_.before_step({.data = *step_.data,
+                            .first_inputs = first_inputs,
+                            .number = failures_.step(),
+                            .timeout = options_.timeout,
+                            .watch = failures_.watch(),
+                            .id = failures_.id(),
+                            .stage0_rank = failures_.global(program_.rank_of(0)),
+                            .check_stop = stop,
+                            .control = control});
     meet_replicas_at_start();
+    if (vocab_) {  // the root checks that the last stage's agreed output is the head's input
+      const std::vector<TensorSpec>* hidden = nullptr;
+      for (const LocalStage& st : stages_)
+        if (st.stage == program_.num_stages - 1) hidden = &st.shapes.sigs.outputs.specs;
+      vocab_->begin(*step_.data, loss_scale, options_.timeout, hidden);
+    }
   });
   step_.loss_scale = loss_scale;
   timer_->start_step();
@@ -203,11 +230,22 @@ void Executor::run_synced(const Entry& e, TraceRecord& rec) {
   }
 }
 
+bool Executor::may_overlap(const Entry& e) {
+  // A reentrant checkpoint recomputes inside its backward, under torch's fork of the global
+  // RNG: on the worker, concurrently with this thread's forward, the two would draw from one
+  // generator. Such a unit runs its halves in sequence.
+  return !runs_own_backward(slot(e.local, e.mb).roots, slot(e.local, e.mb).saved_in);
+}
+
 void Executor::start_on_worker(size_t i) {
   const Entry& e = table_.entries[i];
   or_fail_step(e.index, [&] {
+    // What must not run concurrently with the forward half runs here first (the stage's
+    // checkpoint recomputations: StageHandle::before_backward_on_worker).
+    stages_[e.local].handle->before_backward_on_worker(*step_.data, e.mb);
     // The receive is waited here: P2P is not thread-safe.
     if (e.needs_recv) comms_->wait(slot(e.local, e.mb).grad_in, trace_[i].wait_ns);
+    if (e.needs_vocab_grad) vocab_->await_input_grad(e.mb, trace_[i].wait_ns);
     if (!overlap_.worker) overlap_.worker = std::make_unique<OverlapWorker>(p2p_->device());
     overlap_.index = e.index;
     const c10::Device device = p2p_->device();
@@ -244,6 +282,11 @@ void Executor::end_step() {
   check_comms(kStepEnd, true);
   clear_slots();  // every batch completed: drop the step's tensors
   timer_->collect(trace_);
+  for (auto& st : stages_) {
+    if (st.fused.empty() || st.fused_told) continue;
+    st.fused_told = true;
+    or_fail_step(kStepEnd, [&] { st.handle->split_fell_back(st.fused); });
+  }
 }
 
 // ---- the verbs ----------------------------------------------------------------------------
@@ -256,6 +299,7 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
     case Kind::B:
     case Kind::I:
       if (e.needs_recv) await_input(slot(e.local, e.mb).grad_in, rec);
+      if (e.needs_vocab_grad) vocab_->await_input_grad(e.mb, rec.wait_ns);
       backward(e, nullptr);
       return;
     case Kind::W:
@@ -266,6 +310,21 @@ void Executor::run_entry(const Entry& e, TraceRecord& rec) {
     case Kind::SEND_B:
     case Kind::RECV_B:
       comms_->post(e);
+      return;
+    case Kind::S:
+      vocab_->s_pass(e.mb, rec.wait_ns);
+      return;
+    case Kind::T:
+      vocab_->t_pass(e.mb, rec.wait_ns);
+      return;
+    case Kind::BCAST_F:
+      vocab_->post_broadcast(e.mb);
+      return;
+    case Kind::ALLREDUCE_S:
+      vocab_->post_allreduce(e.mb);
+      return;
+    case Kind::REDUCE_B:
+      vocab_->post_reduce(e.mb, rec.wait_ns);
       return;
     case Kind::OVERLAP_F_B:
       break;
@@ -290,7 +349,7 @@ void Executor::forward(const Entry& e, TraceRecord& rec) {
       if (in_specs[i].differentiable()) inputs[i].set_requires_grad(true);
   ForwardResult res = st.handle->forward(*step_.data, e.mb, inputs);
   auto& outs = res.tensors;
-  if (e.stage == program_.num_stages - 1) {  // the loss: the root of the backward
+  if (e.stage == program_.num_stages - 1 && !e.to_vocab) {  // the loss: the root of the backward
     step_.result->losses[e.mb] = std::move(res.loss);
     step_.result->outputs[e.mb] = std::move(res.output);
     if (st.trains) sl.roots = std::move(outs);
@@ -300,11 +359,18 @@ void Executor::forward(const Entry& e, TraceRecord& rec) {
     std::vector<at::Tensor> detached;
     detached.reserve(outs.size());
     for (size_t i = 0; i < outs.size(); ++i) {
+      if (e.handoff < 0) refuse_cuda_graph_output(outs[i], e.stage, false, i);  // sent: see graph_outputs.h
       detached.push_back(outs[i].detach());  // the next stage starts its own graph
       if (st.trains && out_specs[i].differentiable()) sl.roots.push_back(std::move(outs[i]));
     }
-    if (e.handoff >= 0) slot(e.handoff, e.mb).fwd_in.tensors = std::move(detached);
-    else sl.fwd_out = std::move(detached);
+    if (e.to_vocab) {  // the vocabulary head's input; the stage's output is kept as the last's
+      vocab_->set_input(e.mb, detached.at(0));
+      step_.result->outputs[e.mb] = std::move(res.output);
+    } else if (e.handoff >= 0) {
+      slot(e.handoff, e.mb).fwd_in.tensors = std::move(detached);
+    } else {
+      sl.fwd_out = std::move(detached);
+    }
   }
   if (st.trains) sl.saved_in = std::move(inputs);
 }
@@ -318,7 +384,11 @@ void Executor::backward(const Entry& e, const c10::Stream* consumer) {
   auto inputs = std::move(sl.saved_in);
   sl.roots.clear();
   sl.saved_in.clear();
-  if (e.stage == program_.num_stages - 1) {
+  if (e.needs_vocab_grad) {  // the head's input gradient, reduced over every shard
+    root_grads = {vocab_->input_grad(e.mb)};
+    if (consumer)
+      for (const auto& g : root_grads) record_on_stream(g, *consumer);
+  } else if (e.stage == program_.num_stages - 1) {
     root_grads.clear();
     for (const auto& r : roots) root_grads.push_back(at::full_like(r, step_.loss_scale));
     // Made on the worker's stream, read by autograd on the streams of the forward.
@@ -327,11 +397,21 @@ void Executor::backward(const Entry& e, const c10::Stream* consumer) {
   }
   std::vector<at::Tensor> in_grads;
   if (e.kind == Kind::B || st.queues_weight) {
-    in_grads = backward_full(roots, root_grads, inputs);
+    in_grads = described(st, [&] { return backward_full(roots, root_grads, inputs); });
     if (st.queues_weight) st.handle->weight_work_queued(*step_.data, e.mb);
     if (e.kind == Kind::B && st.queues_weight) st.handle->run_weight_work(*step_.data, e.mb);
   } else {
-    in_grads = backward_input(roots, root_grads, inputs, sl.weight, &st.split_plans);
+    in_grads = described(st, [&] { return backward_input(roots, root_grads, inputs, sl.weight, &st.split_plans); });
+    if (!sl.weight.fused.empty()) {
+      // A data-parallel stage reduces its gradients during its last backward action, a W here,
+      // which a fused stage leaves empty: DDP's reducer would wait for hooks that never fire.
+      if (st.syncs_grads)
+        throw PipelineError(detail::str(
+            "stage ", e.stage, " is data-parallel (DDP/FSDP) and its backward cannot be split under this "
+            "schedule, so it would run fused with an empty W, where its gradients are reduced: ",
+            sl.weight.fused, "; or use a schedule without I/W (gpipe, 1f1b, interleaved_1f1b)"));
+      if (st.fused.empty()) st.fused = sl.weight.fused;
+    }
   }
   roots.clear();  // frees the input closure of the graph now, not at the end of the step
   if (e.handoff >= 0 || e.to_send) hand_on_input_grads(e, inputs, in_grads, consumer);
@@ -351,6 +431,8 @@ void Executor::hand_on_input_grads(const Entry& e, const std::vector<at::Tensor>
     if (in_specs[i].differentiable())
       out.push_back(in_grads[i].defined() ? std::move(in_grads[i]) : at::zeros_like(inputs[i]));
   check_outputs(out, st.shapes.in_grad_specs, "input gradients", e.stage, e.mb);
+  if (e.handoff < 0)
+    for (size_t i = 0; i < out.size(); ++i) refuse_cuda_graph_output(out[i], e.stage, true, i);
   if (consumer)  // used (and freed) on the caller's stream after the join
     for (const auto& g : out) record_on_stream(g, *consumer);
   if (e.handoff >= 0) slot(e.handoff, e.mb).grad_in.tensors = std::move(out);
@@ -360,8 +442,27 @@ void Executor::hand_on_input_grads(const Entry& e, const std::vector<at::Tensor>
 void Executor::weight(const Entry& e) {
   LocalStage& st = stages_[e.local];
   if (st.queues_weight) st.handle->run_weight_work(*step_.data, e.mb);
-  else backward_weight(st.slot(e.mb).weight);
+  else described(st, [&] { backward_weight(st.slot(e.mb).weight); });
 }
+
+namespace {
+
+// "bfloat16 where the pipeline agreed on float32 (tensor 0 of 2), ..." where `outs` have the
+// agreed count and shapes and only dtypes differ; "" otherwise.
+std::string dtype_mismatch(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want) {
+  if (outs.size() != want.size()) return "";
+  std::string out;
+  for (size_t i = 0; i < outs.size(); ++i) {
+    if (!outs[i].defined() || outs[i].sizes().vec() != want[i].shape) return "";
+    if (outs[i].scalar_type() == want[i].dtype) continue;
+    out += detail::str(out.empty() ? "" : ", ", c10::getDtypeNames(outs[i].scalar_type()).first,
+                       " where the pipeline agreed on ", c10::getDtypeNames(want[i].dtype).first, " (tensor ", i,
+                       " of ", outs.size(), ")");
+  }
+  return out;
+}
+
+}  // namespace
 
 void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want,
                              const char* what, int stage, int mb) const {
@@ -370,11 +471,13 @@ void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vec
     ok = outs[i].defined() && outs[i].scalar_type() == want[i].dtype &&
          outs[i].sizes().vec() == want[i].shape;
   if (ok) {
-    // Sent, or handed to the next local stage, as they are: on the rank's device.
+    // Sent, or handed to the next local stage, as they are: on the rank's device, compared as
+    // torch places tensors (zbpipe/devices.py): CPU is one device, whatever index it was named
+    // with (a CPU tensor reports none), and a device named without an index takes any.
     const c10::Device& device = p2p_->device();
     for (size_t i = 0; i < outs.size(); ++i) {
       const c10::Device d = outs[i].device();
-      if (d.type() == device.type() && (!device.has_index() || d.index() == device.index())) continue;
+      if (d.type() == device.type() && (d.is_cpu() || !device.has_index() || d.index() == device.index())) continue;
       throw PipelineError(detail::str("stage ", stage, " microbatch ", mb, " produced ", what, " on device ",
                                       d.str(), " (tensor ", i, " of ", outs.size(), ") but the pipeline runs on ",
                                       device.str(), ": move them to the stage's device"));
@@ -384,6 +487,13 @@ void Executor::check_outputs(const std::vector<at::Tensor>& outs, const std::vec
   std::vector<TensorSpec> got;
   for (const auto& t : outs)
     got.push_back(t.defined() ? TensorSpec{t.sizes().vec(), t.scalar_type()} : TensorSpec{});
+  if (const std::string dtypes = dtype_mismatch(outs, want); !dtypes.empty())
+    throw PipelineError(detail::str(
+        "stage ", stage, " microbatch ", mb, " produced ", what, " of dtype ", dtypes,
+        " (the shapes match: ", to_string(got), " against ", to_string(want),
+        "): a dtype that changes within a step, e.g. autocast entered, left or given another dtype "
+        "in a stage or between microbatches (the ranks agree on dtypes per step, under the autocast "
+        "state the step starts with)"));
   throw PipelineError(detail::str(
       "stage ", stage, " microbatch ", mb, " produced ", what, " ", to_string(got),
       " but the pipeline agreed on ", to_string(want),

@@ -34,6 +34,7 @@
 #include "runtime/custom_run.h"
 #include "runtime/device.h"
 #include "runtime/dispatch.h"
+#include "runtime/engine_error.h"
 #include "runtime/local_stage.h"
 #include "runtime/overlap_worker.h"
 #include "runtime/p2p.h"
@@ -41,6 +42,7 @@
 #include "runtime/step_comms.h"
 #include "runtime/step_failure.h"
 #include "runtime/trace.h"
+#include "runtime/vocab_run.h"
 #include "zbpipe/program.h"
 
 namespace zbpipe::runtime {
@@ -77,6 +79,9 @@ struct ExecutorOptions {
   // Makes the CPU control groups that carry each step's input signature and the replicas'
   // meetings (control_group.h), where the group's backend provides none (the binding: Gloo).
   ControlGroupFactory control_group;
+  // This rank's shard of the vocabulary-parallel head: required exactly when the program has
+  // vocabulary actions (vocab.h), which run on backends whose messages complete on the host.
+  std::shared_ptr<VocabHandle> vocab;
 };
 
 // Not thread-safe: one thread drives an executor (its worker thread is its own business).
@@ -166,6 +171,9 @@ class Executor {
   size_t run_custom(size_t first);
   void run_here(size_t i);             // entry i on this thread, timed; fails the step
   void start_on_worker(size_t i);      // waits entry i's receive here, runs it on the worker
+  // Whether the worker may run entry `e` (a backward half) while this thread runs the unit's
+  // forward half: not where its backward draws from the RNG on its own (a reentrant checkpoint).
+  bool may_overlap(const Entry& e);
   void join_worker();                  // a failure of the worker's entry fails the step
   void end_step();                     // waits the sends, drops the step's tensors
   // Between entries (never blocks) or at the step's end (finish): the step's messages seen
@@ -186,6 +194,17 @@ class Executor {
   void hand_on_input_grads(const Entry& e, const std::vector<at::Tensor>& inputs,
                            std::vector<at::Tensor>& in_grads, const c10::Stream* consumer);
   void weight(const Entry& e);
+  // Runs `f`, an autograd engine call of stage `st`; what it throws, as the stage describes
+  // it (StageHandle::describe_backward_error: a Python exception keeps its type; a torch C++
+  // error gets its Python name, engine_error.h).
+  template <typename F>
+  auto described(LocalStage& st, F&& f) -> decltype(f()) {
+    try {
+      return f();
+    } catch (...) {
+      std::rethrow_exception(name_engine_error(st.handle->describe_backward_error(std::current_exception())));
+    }
+  }
   void check_outputs(const std::vector<at::Tensor>& outs, const std::vector<TensorSpec>& want,
                      const char* what, int stage, int mb) const;
   Slot& slot(int local, int mb) { return stages_[local].slot(mb); }
@@ -261,6 +280,7 @@ class Executor {
   std::vector<std::shared_ptr<ReplicaGroup>> replica_groups_;  // per data-parallel group, once watched
   StepAgreement agreement_;  // program fingerprints and the known shape sets
   CustomRun custom_;         // register_custom_function's handler and the parts it ran
+  std::unique_ptr<VocabRun> vocab_;  // the vocabulary head's passes (vocab.h), or null
 };
 
 }  // namespace zbpipe::runtime

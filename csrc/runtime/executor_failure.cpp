@@ -104,6 +104,7 @@ void Executor::abort_communication() {
 
 void Executor::clear_slots() {
   for (auto& st : stages_) st.slots.assign(st.slots.size(), Slot{});
+  if (vocab_) vocab_->end();
 }
 
 void Executor::interrupt() {

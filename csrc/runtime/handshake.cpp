@@ -1,5 +1,5 @@
 // The handshake messages: a fixed-size byte buffer holding a status, the failing stage, the
-// specs and a text (the structure string, or the error message on failure).
+// specs and a text (the signature's structure, or on failure the error message).
 #include "runtime/handshake.h"
 
 #include <ATen/ops/empty.h>
@@ -21,7 +21,8 @@ struct Message {
   int32_t status = 0;       // 0 ok, 1 a stage failed
   int32_t failed_stage = -1;
   int32_t failed_rank = -1;
-  Signature sig;            // on failure: sig.structure holds the error text
+  Signature sig;            // what the stage passes on (empty on failure)
+  std::string error;        // on failure: the rejecting stage's message
 };
 
 template <typename T>
@@ -50,7 +51,7 @@ at::Tensor encode(const Message& m, const c10::Device& device) {
     put<int32_t>(out, static_cast<int32_t>(s.shape.size()));
     for (auto d : s.shape) put<int64_t>(out, d);
   }
-  std::string text = m.sig.structure;
+  std::string text = m.status == 0 ? m.sig.structure : m.error;  // one text slot on the wire
   const size_t room = kMessageBytes - out.size() - sizeof(int32_t);
   ZB_CHECK(m.status != 0 || text.size() <= room, "stage output structure too large for the "
            "handshake (", text.size(), " bytes, room for ", room, ")");
@@ -83,7 +84,7 @@ Message decode(const at::Tensor& t) {
   }
   const int32_t len = get<int32_t>(d, pos);
   ZB_CHECK(len >= 0 && pos + len <= static_cast<size_t>(kMessageBytes), "corrupt handshake message");
-  m.sig.structure.assign(reinterpret_cast<const char*>(d + pos), len);
+  (m.status == 0 ? m.sig.structure : m.error).assign(reinterpret_cast<const char*>(d + pos), len);
   return m;
 }
 
@@ -142,7 +143,7 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
         res.failed_stage = s;
         res.failed_rank = me;
         const auto* stage_error = dynamic_cast<const StageError*>(&e);
-        res.sig = Signature{{}, stage_error ? stage_error->summary() : e.what()};
+        res.error = stage_error ? stage_error->summary() : e.what();
         if (stage_error) my_traceback = stage_error->traceback();
       }
     }
@@ -170,7 +171,7 @@ std::map<int, StageSignatures> exchange_signatures(const Program& p, P2P& p2p,
     throw;
   }
   if (outcome.status != 0)
-    throw HandshakeFailed(outcome.failed_rank, outcome.failed_stage, outcome.sig.structure,
+    throw HandshakeFailed(outcome.failed_rank, outcome.failed_stage, outcome.error,
                           outcome.failed_rank == me ? my_traceback : "");
   return out;
 }

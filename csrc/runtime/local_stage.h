@@ -51,6 +51,10 @@ struct LocalStage {
   std::vector<ReplicaBarrier> replicas;
   StageShapes shapes;          // for the current step's input signature
   SplitPlanCache split_plans;  // the I/W analysis per graph shape
+  // Why the split fell back to a fused backward (WeightWork::fused), once seen; told to the
+  // handle once, from the executor's thread at the step's end (fused_told).
+  std::string fused;
+  bool fused_told = false;
   std::vector<Slot> slots;     // per microbatch
 
   Slot& slot(int mb) { return slots[static_cast<size_t>(mb)]; }

@@ -63,6 +63,9 @@ struct LoopbackWorld::State {
   struct Pending {  // a receive waiting for its message
     at::Tensor buffer;
     c10::intrusive_ptr<LoopbackWork> work;
+    // On a device: the receiver's stream when it posted, which the copy into `buffer` waits
+    // for (NCCL's recv runs on its stream after the poster's current stream: syncStream).
+    std::optional<c10::Event> posted;
   };
   using Key = std::tuple<int, int, int>;  // sender, receiver, tag
   std::mutex mu;
@@ -90,6 +93,8 @@ struct LoopbackWorld::State {
   // The store's request counts (CountingStore), under a mutex of their own.
   std::shared_ptr<std::map<std::string, int64_t>> store_requests = std::make_shared<std::map<std::string, int64_t>>();
   std::shared_ptr<std::mutex> store_mu = std::make_shared<std::mutex>();
+  std::vector<std::vector<size_t>> settles;        // per rank: log positions where P2P settled
+  int lagging_polls = 0;                           // see LoopbackWorld's constructor
 
   void log(int rank, LoopbackEvent e) {
     std::lock_guard<std::mutex> lock(mu);
@@ -103,7 +108,11 @@ namespace {
 class LoopbackWork : public c10d::Work {
  public:
   LoopbackWork(std::shared_ptr<LoopbackWorld::State> state, int rank, int id)
-      : c10d::Work(rank, c10d::OpType::UNKNOWN), state_(std::move(state)), rank_of_(rank), id_(id) {}
+      : c10d::Work(rank, c10d::OpType::UNKNOWN),
+        state_(std::move(state)),
+        rank_of_(rank),
+        id_(id),
+        lag_left_(state_->lagging_polls) {}
 
   void add_op() {
     std::lock_guard<std::mutex> lock(ops_mu_);
@@ -146,6 +155,10 @@ class LoopbackWork : public c10d::Work {
   bool isCompleted() override {
     if (!c10d::Work::isCompleted()) return false;
     std::lock_guard<std::mutex> lock(ops_mu_);
+    if (lag_left_ > 0) {  // a device behind the host (lagging_polls): not seen complete yet
+      --lag_left_;
+      return false;
+    }
     for (auto& e : events_)
       if (!e.query()) return false;
     return true;
@@ -170,6 +183,7 @@ class LoopbackWork : public c10d::Work {
   bool sealed_ = false;
   bool failed_ = false;  // ended by an abort
   std::vector<c10::Event> events_;  // device copies into its receive buffers
+  int lag_left_ = 0;                 // isCompleted answers still to refuse (lagging_polls)
 };
 
 // Unmatched receives of `rank` (all, or only `work`'s), taken out of the world: a late message
@@ -271,6 +285,10 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits, public P
     const auto* w = dynamic_cast<const LoopbackWork*>(&work);
     state_->log(rank_, LoopbackEvent{LoopbackEvent::Type::Sync, w ? w->id() : -1, false, {}});
   }
+  void settling() override {
+    std::lock_guard<std::mutex> lock(state_->mu);
+    state_->settles[rank_].push_back(state_->logs[rank_].size());
+  }
 
   void startCoalescing() override {
     ZB_CHECK(!group_, "loopback rank ", rank_, ": startCoalescing twice");
@@ -339,7 +357,15 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits, public P
         if (!waiting.empty()) {
           auto r = std::move(waiting.front());
           waiting.pop_front();
-          copied = deliver(r.buffer, t);  // on the sender's stream, after what made `t`
+          if (r.posted) {
+            // The copy runs on the sender's stream, after what made `t` and after the
+            // receiver's stream reached the post (until then its kernels may still read the
+            // memory the buffer reuses); the buffer is in use on this stream till it is done.
+            const c10::Stream here = current_stream(t.device());
+            r.posted->block(here);
+            record_on_stream(r.buffer, here);
+          }
+          copied = deliver(r.buffer, t);
           matched = std::move(r.work);
         } else {
           Message m;
@@ -366,7 +392,12 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits, public P
           copied = deliver(tensors[0], m.data);
           matched = work;
         } else {
-          state_->receives[{peer, rank_, tag}].push_back({tensors[0], work});
+          LoopbackWorld::State::Pending p{tensors[0], work, std::nullopt};
+          if (!tensors[0].is_cpu()) {
+            p.posted.emplace(tensors[0].device().type());
+            p.posted->record(current_stream(tensors[0].device()));
+          }
+          state_->receives[{peer, rank_, tag}].push_back(std::move(p));
         }
       }
     }
@@ -439,11 +470,15 @@ class CountingStore : public c10d::Store {
 
 }  // namespace
 
-LoopbackWorld::LoopbackWorld(int size, bool stream_waits, bool store) : state_(std::make_shared<State>()) {
+LoopbackWorld::LoopbackWorld(int size, bool stream_waits, bool store, int lagging_polls)
+    : state_(std::make_shared<State>()) {
   ZB_CHECK(size >= 1, "a loopback world needs at least one rank, got ", size);
+  ZB_CHECK(lagging_polls >= 0, "lagging_polls must be >= 0, got ", lagging_polls);
   state_->size = size;
   state_->stream_waits = stream_waits;
+  state_->lagging_polls = lagging_polls;
   state_->logs.resize(size);
+  state_->settles.resize(size);
   state_->next_work.assign(size, 0);
   c10::intrusive_ptr<c10d::Store> shared;
   if (store)
@@ -531,9 +566,16 @@ std::map<std::string, int64_t> LoopbackWorld::store_requests() const {
   return *state_->store_requests;
 }
 
+std::vector<size_t> LoopbackWorld::settles(int rank) const {
+  ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
+  std::lock_guard<std::mutex> lock(state_->mu);
+  return state_->settles[rank];
+}
+
 void LoopbackWorld::clear_events() {
   std::lock_guard<std::mutex> lock(state_->mu);
   for (auto& l : state_->logs) l.clear();
+  for (auto& s : state_->settles) s.clear();
 }
 
 }  // namespace zbpipe::runtime

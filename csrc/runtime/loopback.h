@@ -6,10 +6,13 @@
 // issue order, for the model to replay under NCCL's rules (tests/nccl_model.py), with a count
 // per rank of the waits that block the host (what a GPU's host must not do before a step's
 // end). Messages may be CUDA tensors (the groups serve CPU and CUDA): a copy is then a kernel
-// on the copying rank's current stream, and a receive's Work::wait makes the caller's stream
-// wait for its copies' events, as a wait on NCCL makes it wait for the NCCL stream; so ranks
-// on their own streams of one GPU exercise stream waits and send lifetimes
-// (test_device_cuda.py). Not a transport for training: no timeouts of its own.
+// on the copying rank's current stream, ordered as NCCL orders its own stream: a copy into a
+// posted receive waits for the event the receiver recorded on its stream at the post, and
+// the buffer is recorded on the copying stream (for the caching allocator); a receive's
+// Work::wait makes the caller's stream wait for its copies' events, as a wait on NCCL makes
+// it wait for the NCCL stream. So ranks on their own streams of one GPU exercise stream
+// waits and send lifetimes (test_device_cuda.py). Not a transport for training: no timeouts
+// of its own.
 //
 // It models NCCL's abort: a group's abort (ProcessGroup::abort) ends every unfinished work of
 // that rank -- its posted receives and an all-reduce (the one collective it runs, by call order
@@ -62,7 +65,11 @@ class LoopbackWorld {
   // "stream" is the caller). `store`: the groups share an in-process store, as real groups
   // do (failure propagation, program agreement and the step's signature go through it);
   // without one those are off, and the signature travels as a message.
-  explicit LoopbackWorld(int size, bool stream_waits = false, bool store = false);
+  // `lagging_polls`: a device behind the host. Each work answers isCompleted with false to
+  // its first `lagging_polls` queries, even once complete, as a GPU still running the step's
+  // kernels does: the step's end then blocks the host (P2P::settle), which the tests must
+  // tell apart from a host wait inside the step (see settles).
+  explicit LoopbackWorld(int size, bool stream_waits = false, bool store = false, int lagging_polls = 0);
   ~LoopbackWorld();
   int size() const;
   // The process group of `rank` (one per rank; the same object on every call).
@@ -90,6 +97,10 @@ class LoopbackWorld {
   // Requests made to the world's store so far (store=true), by operation; the counts go on
   // across clear_events.
   std::map<std::string, int64_t> store_requests() const;
+  // Where in `rank`'s events P2P began to settle (a step's end, or a shape handshake's): the
+  // number of events recorded before each settle since the last clear. A host wait (Sync)
+  // recorded before the step's settle blocked the host inside the step.
+  std::vector<size_t> settles(int rank) const;
   void clear_events();
 
   struct State;

@@ -78,7 +78,12 @@ void OverlapWorker::loop() {
       }
     } catch (...) {
       error = std::current_exception();
-      if (stream_) finished_->record(*stream_);
+      // Nothing may leave the thread's function (std::terminate): the task's error is the one
+      // the caller gets; a device error recording the event after it adds nothing.
+      try {
+        if (stream_) finished_->record(*stream_);
+      } catch (...) {
+      }
     }
     lock.lock();
     error_ = error;

@@ -23,6 +23,7 @@ struct Batch {
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   std::vector<at::Tensor> tensors;  // receive buffers (and Completion::Host sends) until complete
   bool done = false;                // seen complete: works and tensors released
+  bool collective = false;          // a collective (post_collective): completed by polling
   std::vector<c10::Stream> streams;  // Completion::Stream: the streams ordered after it
   // The group it was posted on, set by track_live: an abandoned batch is released once its
   // group is gone (see P2P::abandon).
@@ -111,6 +112,45 @@ std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
   }
   track_live(batch);
   if (sends) watch(batch);  // completed by progress or settle, whether waited or not
+  return batch;
+}
+
+std::shared_ptr<Batch> P2P::post_collective(CollectiveOp op, std::chrono::milliseconds timeout,
+                                            const std::string& what) {
+  if (aborted_) throw CommAborted("communication of this rank was aborted (a peer failed)");
+  auto batch = std::make_shared<Batch>();
+  batch->collective = true;
+  std::vector<at::Tensor> one{op.tensor};
+  c10::intrusive_ptr<c10d::Work> work;
+  switch (op.type) {
+    case CollectiveOp::Type::Broadcast: {
+      c10d::BroadcastOptions o;
+      o.rootRank = op.root;
+      o.timeout = timeout;
+      work = pg_->broadcast(one, o);
+      break;
+    }
+    case CollectiveOp::Type::AllReduceSum: {
+      c10d::AllreduceOptions o;
+      o.reduceOp = c10d::ReduceOp::SUM;
+      o.timeout = timeout;
+      work = pg_->allreduce(one, o);
+      break;
+    }
+    case CollectiveOp::Type::ReduceSum: {
+      c10d::ReduceOptions o;
+      o.reduceOp = c10d::ReduceOp::SUM;
+      o.rootRank = op.root;
+      o.timeout = timeout;
+      work = pg_->reduce(one, o);
+      break;
+    }
+  }
+  ZB_CHECK(work, "backend ", backend_name_, " returned no work for a collective");
+  batch->works.push_back(std::move(work));
+  batch->tensors.push_back(std::move(op.tensor));
+  track_live(batch);
+  watch(batch).what = what;  // completed by wait, or by settle at the step's end
   return batch;
 }
 
@@ -211,6 +251,33 @@ void P2P::complete_on_host(Watched& w) {
   finish(*w.batch);
 }
 
+void P2P::complete_collective(Watched& w) {
+  // Gloo completes a collective on its own threads and cannot abort it: wait on the work in
+  // slices (a condition variable, no spinning: on a loaded host a spinning rank takes the CPU
+  // its peers need to reach the collective), checking the abort and the deadline in between.
+  constexpr auto kSlice = std::chrono::milliseconds(20);
+  for (auto& work : w.batch->works) {
+    translated(w, [&] {
+      for (;;) {
+        if (aborted_) aborted_wait(w.what);
+        const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(w.deadline - std::chrono::steady_clock::now());
+        if (left.count() <= 0) wait_failed(w.what, backend_name_, w.timeout, "not complete by its deadline", w.owner);
+        try {
+          work->wait(std::min(left, kSlice));
+          return;
+        } catch (const c10::Error&) {
+          // The slice ran out ("Operation timed out!"), or the work failed. It may also have
+          // completed right after the slice: its own exception then, or none.
+          if (!work->isCompleted()) continue;
+          if (auto e = work->exception()) std::rethrow_exception(e);
+          return;
+        }
+      }
+    });
+  }
+  finish(*w.batch);
+}
+
 void P2P::poll(Watched& w) {
   if (aborted_) aborted_wait(w.what);
   for (auto& work : w.batch->works) {
@@ -269,7 +336,10 @@ void P2P::wait(const std::shared_ptr<Batch>& batch, std::chrono::milliseconds ti
   const auto deadline = std::chrono::steady_clock::now() + timeout;
   if (completion_ == Completion::Host) {
     Watched w{batch, deadline, timeout, what, owner};
-    complete_on_host(w);  // a watched send batch is then done: progress and settle drop it
+    // A watched send batch is then done: progress and settle drop it. A collective completes on
+    // the backend's own threads: polled, so that an abort ends the wait (Gloo cannot abort it).
+    if (batch->collective) complete_collective(w);
+    else complete_on_host(w);
     return;
   }
   Watched& w = watch(batch);  // deque: the reference survives later push_backs
@@ -305,6 +375,7 @@ void P2P::progress() {
 }
 
 void P2P::settle(std::chrono::milliseconds timeout) {
+  if (model_) model_->settling();
   const auto now = std::chrono::steady_clock::now();
   for (auto& w : watched_)
     if (w.deadline == std::chrono::steady_clock::time_point::max()) {
@@ -314,8 +385,12 @@ void P2P::settle(std::chrono::milliseconds timeout) {
   while (!watched_.empty()) {
     Watched& w = watched_.front();
     if (!w.batch->done) {
-      if (completion_ == Completion::Host) complete_on_host(w);
-      else if (!probe(w)) poll(w);  // the host blocks only on what is not complete yet
+      if (completion_ == Completion::Host) {
+        if (w.batch->collective) complete_collective(w);
+        else complete_on_host(w);
+      } else if (!probe(w)) {
+        poll(w);  // the host blocks only on what is not complete yet
+      }
     }
     watched_.pop_front();
   }

@@ -45,6 +45,15 @@ struct P2POp {
 // on different connections and transport threads. With one device it changes nothing.
 int wire_tag(int tag, int sender, int receiver);
 
+// A collective of the whole group (vocabulary parallelism, vocab.h): `tensor` is the input and,
+// on the ranks that get the result, the output.
+struct CollectiveOp {
+  enum class Type : uint8_t { Broadcast, AllReduceSum, ReduceSum };
+  Type type = Type::Broadcast;
+  int root = -1;  // Broadcast: the source; ReduceSum: the destination
+  at::Tensor tensor;
+};
+
 // A posted batch (opaque: holds the c10d works and its receive buffers until seen complete).
 struct Batch;
 
@@ -96,6 +105,8 @@ class ModelsStreamWaits {
   // P2P is about to block the host until `work` completes (a poll loop, invisible to an
   // accelerator backend): what the model counts as a host-blocking wait.
   virtual void host_waits(const c10d::Work& work) = 0;
+  // P2P::settle begins (the step's end): the host waits that follow are the end's.
+  virtual void settling() {}
 };
 
 // Not thread-safe, except abort_all and aborted (the failure watcher calls them).
@@ -129,6 +140,14 @@ class P2P {
   // not block; throws CommAborted once aborted, zbpipe::Error when the backend returns no work,
   // what the backend throws otherwise.
   std::shared_ptr<Batch> post(std::vector<P2POp> ops);
+  // Posts one collective on the group (every rank of the group posts the same collectives in
+  // the same order) as a batch of its own, never coalesced with messages; the backend bounds
+  // it by `timeout` too. Watched until seen complete, as a send batch (settle completes it);
+  // `wait` completes it in slices of a blocking Work::wait, checking its deadline and the
+  // abort in between, since Gloo cannot abort a collective. Does not block; throws as post does.
+  // `what` names it in the errors of settle.
+  std::shared_ptr<Batch> post_collective(CollectiveOp op, std::chrono::milliseconds timeout,
+                                         const std::string& what);
 
   // Completes `batch` for the current stream (idempotent per stream). `what` (e.g. "1RECV_F0
   // from rank 0") goes into the error message. Throws PipelineError when the batch fails or
@@ -189,6 +208,7 @@ class P2P {
   };
   void complete_on_host(Watched& w);  // Completion::Host: Work::wait until the deadline
   void poll(Watched& w);              // Completion::Stream: isCompleted until the deadline
+  void complete_collective(Watched& w);  // Completion::Host, a collective: Work::wait in slices
   bool probe(Watched& w);             // Completion::Stream: complete now? (never blocks)
   // The watched entry of `batch`, added (never waited: no deadline yet) when it has none.
   Watched& watch(const std::shared_ptr<Batch>& batch);

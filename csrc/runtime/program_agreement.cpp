@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <map>
 #include <optional>
+#include <thread>
 
 #include "runtime/errors.h"
 #include "runtime/failure_watch.h"
@@ -13,14 +14,6 @@
 namespace zbpipe::runtime {
 
 namespace {
-
-uint64_t fnv1a(uint64_t h, const std::string& s) {
-  for (unsigned char c : s) {
-    h ^= c;
-    h *= 1099511628211ull;
-  }
-  return h;
-}
 
 std::string subject(int rank) { return detail::str("program ", rank); }
 
@@ -31,19 +24,7 @@ constexpr std::chrono::milliseconds kFailedGrace{1000};
 }  // namespace
 
 std::string program_fingerprint(const Program& p, bool static_shapes) {
-  uint64_t h = 1469598103934665603ull;
-  for (size_t r = 0; r < p.ranks.size(); ++r) {
-    h = fnv1a(h, "|rank" + std::to_string(r));
-    for (const auto& a : p.ranks[r]) h = fnv1a(h, " " + to_string(a));
-  }
-  std::string placement;
-  for (size_t s = 0; s < p.stage_to_rank.size(); ++s)
-    placement += (s ? "," : "") + std::to_string(p.stage_to_rank[s]);
-  char hash[20];
-  std::snprintf(hash, sizeof(hash), "%016llx", static_cast<unsigned long long>(h));
-  return detail::str("schedule=", p.schedule, " pp=", p.pp, " stages=", p.num_stages,
-                     " microbatches=", p.microbatches, " stage_to_rank=[", placement,
-                     "] actions=#", hash, " static_shapes=", static_shapes ? 1 : 0);
+  return detail::str("schedule=", p.schedule, " ", fingerprint(p), " static_shapes=", static_shapes ? 1 : 0);
 }
 
 namespace {

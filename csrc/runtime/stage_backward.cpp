@@ -16,6 +16,7 @@
 #include <unordered_set>
 
 #include "runtime/checkpoint_once.h"
+#include "runtime/joint_backward.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe::runtime {
@@ -42,6 +43,9 @@ void root_edges(const std::vector<at::Tensor>& roots, const std::vector<at::Tens
               " roots but ", root_grads.size(), " gradients");
   for (size_t i = 0; i < roots.size(); ++i) {
     if (!roots[i].defined() || !roots[i].requires_grad()) continue;
+    // Checked here: inside the engine an undefined root gradient is std::terminate.
+    TORCH_CHECK(root_grads[i].defined(), "zbpipe backward: root ", i, " (", roots[i].sizes(),
+                ") requires grad but its gradient is undefined");
     edges.push_back(torch::autograd::impl::gradient_edge(roots[i]));
     grads.push_back(root_grads[i]);
   }
@@ -69,6 +73,8 @@ enum Role : uint8_t {
   kInput,     // a stage input's node: the split stops there (not run, not released)
   kRerun,     // generated boundary node: input side in I, weight side in W
   kKeepInI,   // other boundary node: runs whole in I; what it sends the weight region feeds W
+  kJoint,     // generated boundary node whose weight side needs its input side (joint_backward.h):
+              // runs whole in I, what it sends the weight region captured at sinks, feeds W
 };
 
 // The analysis of one graph shape.
@@ -79,8 +85,13 @@ struct Plan {
   std::vector<std::pair<uint32_t, uint32_t>> cuts;  // (kRerun node, next edge into C)
   std::vector<uint32_t> keep;                       // kKeepInI nodes
   std::vector<std::vector<uint32_t>> sends;         // per keep node: its edges into the weight region
-  std::vector<uint32_t> release;                    // kClosure and kKeepInI nodes
+  std::vector<uint32_t> joint;                      // kJoint nodes
+  std::vector<std::vector<uint32_t>> joint_sends;   // per joint node: its edges into the weight region
+  std::vector<uint32_t> release;                    // kClosure, kKeepInI and kJoint nodes
   std::vector<uint32_t> closure_roots, weight_roots;  // positions in the valid roots
+  // Non-empty: the split cannot take this graph and the stage's backward runs whole in I (the
+  // reason, told to the user once per stage).
+  std::string fused;
 };
 
 constexpr uint64_t kInvalidEdge = ~uint64_t{0};
@@ -123,6 +134,28 @@ class CaptureSends final : public FunctionPostHook {
   const std::vector<uint32_t>* edges_;
   variable_list* dest_;
 };
+
+// Stands in, during I, for the weight-region node a kJoint node sends a gradient to: asking
+// the engine for this edge's gradient (an output of the I run) makes the node compute it,
+// and the engine captures it here without running anything behind it. Never applied.
+class WeightSideSink final : public Node {
+ public:
+  // Takes `target`'s metadata for input `nr`, which the engine checks the gradient against.
+  WeightSideSink(const Node& target, uint32_t nr) {
+    const auto& m = target.input_metadata(nr);
+    if (m.was_default_constructed()) add_input_metadata(Node::undefined_input{});
+    else add_input_metadata(m.options(), m.shape_as_dim_vector(), m.is_tensor_subclass(), false, m.grad_dtype());
+  }
+  variable_list apply(variable_list&& /*grads*/) override { return {}; }
+  std::string name() const override { return "zbpipe::WeightSideSink"; }
+};
+
+// A kJoint target the sink can stand in for: not a nested tensor's input (its metadata keeps
+// no plain shape).
+bool sink_can_stand_in(const Edge& e) {
+  const auto& m = e.function->input_metadata(e.input_nr);
+  return m.was_default_constructed() || !m.is_nested_tensor();
+}
 
 template <typename Hook>
 void erase_hook(std::vector<std::unique_ptr<Hook>>& hooks, const Hook* h) {
@@ -170,11 +203,13 @@ struct SplitPlanCache::Impl {
   std::vector<uint64_t> sig;
   std::vector<const Node*> input_nodes;
   std::vector<Plan> plans;    // most recently used first
-  std::unordered_map<std::type_index, bool> generated;  // is_generated_type, per node type
+  // Per node type: 0 not generated, 1 generated, 2 generated and joint (joint_backward.h).
+  std::unordered_map<std::type_index, uint8_t> kinds;
 
-  bool is_generated(const Node& n) {
-    auto [it, fresh] = generated.emplace(std::type_index(typeid(n)), false);
-    if (fresh) it->second = is_generated_type(typeid(n));
+  uint8_t kind(const Node& n) {
+    auto [it, fresh] = kinds.emplace(std::type_index(typeid(n)), 0);
+    if (fresh && is_generated_type(typeid(n)))
+      it->second = computes_weight_side_with_input_side(n.name()) ? 2 : 1;
     return it->second;
   }
 
@@ -282,26 +317,33 @@ struct SplitPlanCache::Impl {
     for (uint32_t i = 0; i < n; ++i) {
       if (!in_c[i] || is_input[i]) continue;
       Node* node = order[i];
-      const bool generated = is_generated(*node);
+      const uint8_t kind_of = kind(*node);
+      const bool generated = kind_of != 0;
       // A reentrant checkpoint runs its own backward inside ours, which the engine refuses
-      // while only the inputs' gradients are asked for.
-      if (!generated && node->name() == "CheckpointFunctionBackward")
-        throw ::zbpipe::Error(
-            "zbpipe split backward: the stage's input gradient passes through "
-            "torch.utils.checkpoint with use_reentrant=True, whose backward starts a full "
-            "backward of its own and cannot be split into backward-input (I) and "
-            "backward-weight (W). Use torch.utils.checkpoint.checkpoint(..., "
+      // while only the inputs' gradients are asked for: the stage's backward runs fused.
+      if (!generated && node->name() == "CheckpointFunctionBackward" && plan.fused.empty())
+        plan.fused =
+            "its input gradient passes through torch.utils.checkpoint with use_reentrant=True, "
+            "whose backward runs a full backward of its own and cannot be split into "
+            "backward-input (I) and backward-weight (W). Use torch.utils.checkpoint.checkpoint(..., "
             "use_reentrant=False) (checkpoint_wrapper: checkpoint_impl=CheckpointImpl.NO_REENTRANT, "
-            "its default), which zbpipe recomputes once per stage microbatch, or a schedule "
-            "without I/W (gpipe, 1f1b, interleaved_1f1b).");
+            "its default), which zbpipe splits and recomputes once per stage microbatch";
       std::vector<uint32_t> to_c, to_w;
       const auto& edges = node->next_edges();
       for (uint32_t k = 0; k < edges.size(); ++k) {
         if (!edges[k].is_valid()) continue;
         (in_c[index.at(edges[k].function.get())] ? to_c : to_w).push_back(k);
       }
+      const bool joint = kind_of == 2 && std::all_of(to_w.begin(), to_w.end(), [&](uint32_t k) {
+        return sink_can_stand_in(edges[k]);
+      });
       if (to_w.empty()) {
         plan.role[i] = kClosure;
+        plan.release.push_back(i);
+      } else if (joint) {
+        plan.role[i] = kJoint;
+        plan.joint.push_back(i);
+        plan.joint_sends.push_back(std::move(to_w));
         plan.release.push_back(i);
       } else if (generated) {
         plan.role[i] = kRerun;
@@ -331,6 +373,7 @@ void WeightWork::clear() {
   roots.clear();
   grads.clear();
   rerun.clear();
+  fused.clear();
 }
 
 int64_t WeightWork::captured_bytes() const {
@@ -375,11 +418,45 @@ WantedInputs wanted_inputs(const std::vector<at::Tensor>& inputs, std::vector<co
   return w;
 }
 
-// What I captured at the boundary, per plan.rerun and plan.keep node.
+// What I captured at the boundary, per plan.rerun, plan.keep and plan.joint node.
 struct Captures {
   std::vector<CapturedInputs> rerun;
   std::vector<variable_list> sent;
-  explicit Captures(const Plan& plan) : rerun(plan.rerun.size()), sent(plan.keep.size()) {}
+  std::vector<variable_list> joint_sent;  // per joint node, per edge of plan.joint_sends
+  explicit Captures(const Plan& plan)
+      : rerun(plan.rerun.size()), sent(plan.keep.size()), joint_sent(plan.joint.size()) {}
+};
+
+// During I, each kJoint node's weight-region edges lead to sinks (WeightSideSink) that the
+// engine is asked for: it computes those gradients with the input side and captures them.
+// The edges are put back when the I run ends, also after a throw.
+class JointSinks {
+ public:
+  JointSinks(const Plan& plan, const std::vector<Node*>& order, edge_list& outputs) : plan_(plan), order_(order) {
+    for (size_t k = 0; k < plan.joint.size(); ++k) {
+      auto& edges = order[plan.joint[k]]->next_edges();
+      for (uint32_t e : plan.joint_sends[k]) {
+        saved_.push_back(edges[e]);
+        c10::intrusive_ptr<Node> sink = c10::make_intrusive<WeightSideSink>(*edges[e].function, edges[e].input_nr);
+        edges[e] = Edge(sink, 0);
+        outputs.emplace_back(std::move(sink), 0);
+      }
+    }
+  }
+  ~JointSinks() {
+    size_t j = 0;
+    for (size_t k = 0; k < plan_.joint.size(); ++k) {
+      auto& edges = order_[plan_.joint[k]]->next_edges();
+      for (uint32_t e : plan_.joint_sends[k]) edges[e] = std::move(saved_[j++]);
+    }
+  }
+  JointSinks(const JointSinks&) = delete;
+  JointSinks& operator=(const JointSinks&) = delete;
+
+ private:
+  const Plan& plan_;
+  const std::vector<Node*>& order_;
+  edge_list saved_;  // the replaced edges, in plan order
 };
 
 // The capture hooks on the boundary nodes for the I run, removed when it ends.
@@ -426,7 +503,17 @@ variable_list run_input_side(const Plan& plan, const std::vector<Node*>& order, 
   }
   checkpoint_once::KeepScope keep;  // its end lowers the flag on every thread, also after a throw
   BoundaryHooks hooks(plan, order, captures, keep);
-  return run_engine(i_roots, i_grads, /*keep_graph=*/true, /*accumulate_grad=*/false, outputs);
+  edge_list all_outputs = outputs;
+  variable_list res;
+  {
+    JointSinks sinks(plan, order, all_outputs);
+    res = run_engine(i_roots, i_grads, /*keep_graph=*/true, /*accumulate_grad=*/false, all_outputs);
+  }
+  size_t at = outputs.size();
+  for (size_t k = 0; k < plan.joint.size(); ++k)
+    for (size_t j = 0; j < plan.joint_sends[k].size(); ++j) captures.joint_sent[k].push_back(std::move(res[at++]));
+  res.resize(outputs.size());
+  return res;
 }
 
 // W's roots: every input of each re-run boundary node, what kept-in-I nodes sent into the
@@ -436,8 +523,19 @@ void collect_weight_roots(const Plan& plan, const std::vector<Node*>& order, con
   for (size_t k = 0; k < plan.rerun.size(); ++k) {
     CapturedInputs& c = captures.rerun[k];
     if (!c.fired) continue;  // it did not run in I (nothing reached it): nor does it in W
+    // Only the inputs that carried a gradient become roots: an output of the forward op that
+    // no gradient reached (GroupNorm's mean and rstd, an LSTM's last states) got an undefined
+    // one in I and stays undefined in W's input buffer, as in B. The engine cannot take an
+    // undefined root gradient (its GraphRoot reads each one's metadata in a noexcept call:
+    // std::terminate). A node that received none computes nothing in W either.
+    const bool any = std::any_of(c.grads.begin(), c.grads.end(), [](const at::Tensor& g) { return g.defined(); });
+    if (!any) {
+      c.fired = false;  // released with I's part of the graph
+      continue;
+    }
     work.rerun.emplace_back(node_ref(order[plan.rerun[k]]));
     for (uint32_t nr = 0; nr < c.grads.size(); ++nr) {
+      if (!c.grads[nr].defined()) continue;
       work.roots.emplace_back(work.rerun.back(), nr);
       work.grads.push_back(std::move(c.grads[nr]));
     }
@@ -448,6 +546,15 @@ void collect_weight_roots(const Plan& plan, const std::vector<Node*>& order, con
     for (size_t j = 0; j < sent.size(); ++j) {
       if (!sent[j].defined()) continue;
       work.roots.push_back(es[plan.sends[k][j]]);
+      work.grads.push_back(std::move(sent[j]));
+    }
+  }
+  for (size_t k = 0; k < plan.joint.size(); ++k) {
+    const auto& es = order[plan.joint[k]]->next_edges();
+    auto& sent = captures.joint_sent[k];
+    for (size_t j = 0; j < sent.size(); ++j) {
+      if (!sent[j].defined()) continue;
+      work.roots.push_back(es[plan.joint_sends[k][j]]);
       work.grads.push_back(std::move(sent[j]));
     }
   }
@@ -485,6 +592,13 @@ std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& roots,
   SplitPlanCache::Impl& st = *pc.impl_;
   const WantedInputs wanted = wanted_inputs(inputs, st.input_nodes);
   const Plan& plan = st.plan(edges, pc.hits_, pc.misses_);
+  if (!plan.fused.empty()) {  // the split cannot take this graph: I is B, W has nothing to do
+    work.fused = plan.fused;
+    run_engine(edges, grads, /*keep_graph=*/false, /*accumulate_grad=*/true);
+    for (size_t i = 0; i < inputs.size(); ++i)
+      if (inputs[i].defined() && inputs[i].requires_grad()) out[i] = inputs[i].grad();
+    return out;
+  }
 
   Captures captures(plan);
   if (!plan.closure_roots.empty()) {
@@ -494,6 +608,27 @@ std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& roots,
   collect_weight_roots(plan, st.order, edges, grads, captures, work);
   release_input_side(plan, st.order, captures);
   return out;
+}
+
+bool runs_own_backward(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs) {
+  thread_local std::unordered_map<std::type_index, bool> generated;  // is_generated_type, per type
+  std::unordered_set<const Node*> seen, stop;
+  for (const auto& t : inputs)
+    if (t.defined() && t.requires_grad()) stop.insert(torch::autograd::impl::gradient_edge(t).function.get());
+  std::vector<Node*> todo;
+  for (const auto& t : roots)
+    if (t.defined() && t.requires_grad()) todo.push_back(torch::autograd::impl::gradient_edge(t).function.get());
+  while (!todo.empty()) {
+    Node* n = todo.back();
+    todo.pop_back();
+    if (!n || stop.count(n) || !seen.insert(n).second) continue;
+    auto [it, fresh] = generated.emplace(std::type_index(typeid(*n)), false);
+    if (fresh) it->second = is_generated_type(typeid(*n));
+    if (!it->second && n->name() == "CheckpointFunctionBackward") return true;
+    for (const Edge& c : n->next_edges())
+      if (c.is_valid()) todo.push_back(c.function.get());
+  }
+  return false;
 }
 
 void backward_weight(WeightWork& work) {

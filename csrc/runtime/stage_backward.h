@@ -24,6 +24,17 @@
 // weight-region diamonds by its dependency counting, all entry points being roots of the
 // one run. W accumulates into .grad with keep_graph=false, releasing the rest of the graph.
 //
+// W's roots from a re-run node are the inputs it received a gradient on in I (an output of
+// the forward op no gradient reached, as GroupNorm's mean, gets none, as in B: the engine
+// cannot take an undefined root gradient). A generated boundary node whose weight side needs
+// its input side (joint_backward.h: an LSTM's mkldnn_rnn_layer_backward) is not re-run: in I
+// its weight-region edges lead to stand-in nodes the engine is asked for, so it computes
+// everything once, and what it sent those edges feeds W.
+//
+// A graph the split cannot take (a reentrant checkpoint on the input path, whose node runs a
+// backward of its own) runs whole in I, as B, and says why (WeightWork::fused); the executor
+// tells the stage once.
+//
 // Nodes other than torch's generated ones (a Python autograd.Function's PyNode, a C++
 // custom function, CopySlices, ...) may compute all their outputs whatever is asked and may
 // have side effects (e.g. `weight.grad += ...` inside a backward), so they are never re-run:
@@ -46,6 +57,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <unordered_map>
 #include <vector>
 
@@ -59,6 +71,9 @@ struct WeightWork {
   std::vector<at::Tensor> grads;     // the gradient for each root
   // Boundary nodes W re-runs: their hooks are stripped during W (they ran in I).
   std::vector<NodeRef> rerun;
+  // Non-empty where the split could not take the graph and I ran the whole backward (B): why,
+  // for the stage's one warning. W then has nothing to do.
+  std::string fused;
 
   bool empty() const { return roots.empty(); }
   void clear();
@@ -102,12 +117,17 @@ std::vector<at::Tensor> backward_full(const std::vector<at::Tensor>& roots,
 // I: the gradient of each of `inputs` (undefined where an input needs no gradient or none
 // flowed), without touching any parameter's .grad (unless a custom Function does so in its
 // own backward); fills `work` for W. `cache` (may be null: analyse every call) keeps the
-// graph analysis of the shapes seen. Throws for a graph the split cannot run (a reentrant
-// checkpoint on the input path), naming the fix.
+// graph analysis of the shapes seen. A graph the split cannot take (a reentrant checkpoint on
+// the input path) runs its whole backward here, as B, and says why in work.fused.
 std::vector<at::Tensor> backward_input(const std::vector<at::Tensor>& roots,
                                        const std::vector<at::Tensor>& root_grads,
                                        const std::vector<at::Tensor>& inputs, WeightWork& work,
                                        SplitPlanCache* cache = nullptr);
+
+// Whether the graph below `roots` (down to `inputs`) holds a node that runs a backward of its
+// own: a reentrant checkpoint (torch.utils.checkpoint with use_reentrant=True), which
+// recomputes its region inside its backward under torch's fork of the global RNG.
+bool runs_own_backward(const std::vector<at::Tensor>& roots, const std::vector<at::Tensor>& inputs);
 
 // W: accumulates the parameter gradients (into .grad) from what backward_input captured, then
 // clears `work` (the rest of the microbatch's graph is released).

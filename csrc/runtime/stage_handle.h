@@ -6,6 +6,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
+#include <exception>
 #include <memory>
 #include <string>
 #include <vector>
@@ -26,9 +27,10 @@ struct TensorSpec {
 std::string to_string(const TensorSpec& s);
 std::string to_string(const std::vector<TensorSpec>& specs);
 
-// What crosses one stage boundary: the flat tensor specs plus an opaque structure string
-// (written and read by the Python stage: tensor / tuple / dict layout) that the runtime only
-// transports.
+// What crosses one stage boundary: the flat tensor specs plus the front end's text of where
+// they sit in its values (zbpipe/_tree.py: a stage output's tree spec, the first stage's input
+// layout), which the runtime only compares and transports (a handshake failure carries its
+// message apart, handshake.cpp).
 struct Signature {
   std::vector<TensorSpec> specs;
   std::string structure;
@@ -90,6 +92,20 @@ class StageHandle {
   // Called right after microbatch `mb`'s backward (B or I) on a stage that queues weight work,
   // before its run_weight_work: the moment torch's dw_builder builds the runner W will call.
   virtual void weight_work_queued(const StepData& /*step*/, int /*mb*/) {}
+  // Called on the executor's thread right before microbatch `mb`'s backward (B or I) starts
+  // on the OVERLAP_F_B worker, which then runs it while this thread runs a forward: the stage
+  // does here what must not run concurrently with a forward (the Python stage recomputes the
+  // microbatch's checkpointed regions, whose recomputation sets and restores the global RNG).
+  virtual void before_backward_on_worker(const StepData& /*step*/, int /*mb*/) {}
+  // Once per stage, on the executor's thread at the end of the step where it happened: the
+  // split backward could not take the stage's graph and ran it fused (I did B's work, W
+  // nothing); `reason` says why (WeightWork::fused).
+  virtual void split_fell_back(const std::string& /*reason*/) {}
+  // An exception the autograd engine threw out of this stage's backward (B, I or W), as the
+  // step's failure should name it: the Python stage turns a Python exception into a
+  // StageError ("ValueError: ..." with its traceback). Returns `error` when it has nothing
+  // better. Called without the GIL, on whichever thread ran the backward.
+  virtual std::exception_ptr describe_backward_error(std::exception_ptr error) { return error; }
   // Called right after microbatch `mb`'s I, only while the executor probes memory
   // (Executor::set_memory_probe): the moment what waits for W is all the graph still holds.
   virtual void backward_input_done(const StepData& /*step*/, int /*mb*/) {}

@@ -2,6 +2,7 @@
 #include "runtime/step_comms.h"
 
 #include <ATen/ops/empty.h>
+#include <ATen/ops/zeros.h>
 
 #include "runtime/trace.h"
 #include "zbpipe/error.h"
@@ -25,7 +26,13 @@ void StepComms::add_recv_ops(int c, std::vector<P2POp>& ops) {
   bufs.clear();
   auto opts = at::TensorOptions().device(p2p_.device());
   for (size_t i = 0; i < specs.size(); ++i) {
-    bufs.push_back(at::empty(specs[i].shape, opts.dtype(specs[i].dtype)));
+    // Integral buffers (ids, indices) start zeroed: after an abort, kernels queued behind a
+    // receive that never came still run, and an embedding or gather reading garbage ids would
+    // raise a device assert, a sticky CUDA error that rules out the in-process recovery. Their
+    // bytes are few; floating buffers (the large ones) stay uninitialised.
+    const bool integral = at::isIntegralType(specs[i].dtype, /*includeBool=*/true);
+    bufs.push_back(integral ? at::zeros(specs[i].shape, opts.dtype(specs[i].dtype))
+                            : at::empty(specs[i].shape, opts.dtype(specs[i].dtype)));
     ops.push_back(P2POp{false, k.peer, k.tag + static_cast<int>(i), bufs.back()});
   }
 }

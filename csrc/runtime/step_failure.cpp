@@ -99,6 +99,8 @@ std::string StepFailures::where(int index) const {
   if (index < 0 || index >= static_cast<int>(acts.size()))
     return detail::str("at the end of step ", steps_, " (completing its sends)");
   const Action& a = acts[index];
+  if (is_vocab(a.kind))
+    return detail::str("in vocabulary shard ", a.stage, " at action ", to_string(a), " (microbatch ", a.microbatch, ")");
   if (a.kind == Kind::OVERLAP_F_B && a.sub.size() == 2)
     return detail::str("in stages ", a.sub[0].stage, " and ", a.sub[1].stage, " at action ", to_string(a));
   return detail::str("in stage ", a.stage, " at action ", to_string(a), " (microbatch ", a.microbatch, ")");

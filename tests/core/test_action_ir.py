@@ -14,6 +14,11 @@ CANONICAL = [
     ("1RECV_B0", 1, Kind.RECV_B, 0),
     ("10SEND_B7", 10, Kind.SEND_B, 7),
     ("4RECV_F15", 4, Kind.RECV_F, 15),
+    ("1S0", 1, Kind.S, 0),
+    ("3T12", 3, Kind.T, 12),
+    ("0BCAST_F2", 0, Kind.BCAST_F, 2),
+    ("2ALLREDUCE_S7", 2, Kind.ALLREDUCE_S, 7),
+    ("1REDUCE_B0", 1, Kind.REDUCE_B, 0),
 ]
 
 
@@ -48,6 +53,7 @@ def test_whitespace_is_trimmed():
         ("(1F1;2B0", "unbalanced"),
         ("(1F1;2B0)F", "must end in OVERLAP_F_B"),
         ("(1SEND_F1)OVERLAP_F_B", "only group"),
+        ("(1S1;0F0)OVERLAP_F_B", "only group"),
         ("()OVERLAP_F_B", "needs sub-actions"),
     ],
 )
@@ -56,10 +62,11 @@ def test_bad_strings_raise_schedule_error(text, why):
         Action.parse(text)
 
 
-def test_every_compiled_action_round_trips():
+@pytest.mark.parametrize("vocab_parallel", [False, True])
+def test_every_compiled_action_round_trips(vocab_parallel):
     for name in zbpipe.schedule_names():
         try:
-            prog = zbpipe.compile(name, pp=4, microbatches=8)
+            prog = zbpipe.compile(name, pp=4, microbatches=8, vocab_parallel=vocab_parallel)
         except ScheduleError:
             continue  # schedules that do not take (4, 8) are covered by the grid tests
         for rank in range(prog.pp):

@@ -26,7 +26,8 @@ _DEEP = int(os.environ.get("ZBPIPE_FUZZ_EXAMPLES", "0"))
 FUZZ = settings(max_examples=_DEEP or 100, deadline=None, derandomize=not _DEEP, database=None,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
-KINDS = ["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B"]
+KINDS = ["F", "B", "I", "W", "SEND_F", "RECV_F", "SEND_B", "RECV_B", "S", "T", "BCAST_F", "ALLREDUCE_S",
+         "REDUCE_B"]
 
 # ---- inputs ---------------------------------------------------------------------------------
 
@@ -116,7 +117,7 @@ def built_rows(draw, lowered=None):
     name = draw(st.sampled_from(["1f1b", "gpipe", "zb_h1", "zbv", "interleaved_1f1b", "dualpipev"]))
     pp = draw(st.integers(1, 3))
     mb = draw(st.integers(1, 4)) * (2 * pp if name == "dualpipev" else pp)
-    prog = zbpipe.compile(name, pp, mb)
+    prog = zbpipe.compile(name, pp, mb, vocab_parallel=draw(st.booleans()))
     if lowered is None:
         lowered = draw(st.booleans())
     rows = [prog.actions(r) if lowered else prog.compute_actions(r) for r in range(pp)]

@@ -2,11 +2,12 @@
 rank) judges every candidate under the measured costs plus the unmodelled time, picks the
 fitting one of least prediction, refuses a budget below every need with ScheduleAuto's message,
 plans the cost-driven candidate under each rank's own budget, names the near candidates of a
-trial, prices a fused B only where every stage measured one; Tuning.end_trial keeps the
-fastest tried candidate. ScheduleAuto's own runs: test_schedule_auto.py."""
+trial, prices a fused B only where every stage measured one; Tuning.after_trial keeps the
+fastest tried candidate, as a new value. ScheduleAuto's own runs: test_schedule_auto.py."""
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -112,13 +113,18 @@ def test_a_fused_b_is_priced_as_measured_only_where_every_stage_measured_it():
     assert "b_full" not in _plan().model
 
 
-def test_end_trial_keeps_the_least_median_of_the_counted_steps():
+def test_after_trial_keeps_the_least_median_of_the_counted_steps():
     t = _plan(trial_steps=2, trial_margin=10.0)
     a, b = t.trial  # zb_h1, 1f1b
     # An uncounted (warm-up) step of b, then two rounds: a's median 3, b's 2 (its slow warm-up not counted).
     order = [(b, False), (a, True), (b, True), (a, True), (b, True)]
-    assert t.end_trial(order, [9.0, 3.0, 2.0, 3.0, 2.0]) == b
-    assert (t.choice, t.predicted_s) == (b, next(c.predicted_s for c in t.candidates if c.name == b))
-    assert {c.name: c.trial_s for c in t.candidates if c.trial_s} == {a: [3.0, 3.0], b: [2.0, 2.0]}
-    assert t.end_trial([(a, True), (b, True)], [1.0, 1.0]) == a  # a tie: the first
-    assert "trial, median of 1 steps each" in t.table()
+    after = t.after_trial(order, [9.0, 3.0, 2.0, 3.0, 2.0])
+    assert (after.choice, after.predicted_s) == (b, next(c.predicted_s for c in t.candidates if c.name == b))
+    assert {c.name: c.trial_s for c in after.candidates if c.trial_s} == {a: [3.0, 3.0], b: [2.0, 2.0]}
+    # A new value: the plan stays as planned, and cannot be changed in place.
+    assert t.choice == t.planned == a and not any(c.trial_s for c in t.candidates)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.choice = b
+    tie = t.after_trial([(a, True), (b, True)], [1.0, 1.0])
+    assert tie.choice == a  # a tie: the first
+    assert "trial, median of 1 steps each" in tie.table()

@@ -3,13 +3,17 @@ help() and inspect show; from_program builds through the class's own __init__; a
 travels through the executor's call (the stages hold nothing of a step afterwards, and no step
 data outlives it); a user error in a stage's forward is reported once; the executor takes its
 options as keywords only; Program's names (strings vs values, path vs text). One in-process
-loopback rank (zbpipe._C._LoopbackWorld), so every case is fast."""
+loopback rank (zbpipe._C._LoopbackWorld), so every case is fast. Also the executor's options
+declared once (their keywords, defaults and docs on every schedule), the stage interface the
+runtime calls (StageInterface), and Program equality."""
 
 from __future__ import annotations
 
 import gc
 import inspect
 import pydoc
+import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ import zbpipe
 from zbpipe import _C
 from zbpipe.schedules import _class_for
 from zbpipe.stage import StepData
+from zbpipe.stage_interface import StageInterface
 
 SCHEDULE_CLASSES = [
     zbpipe.ScheduleGPipe, zbpipe.Schedule1F1B, zbpipe.ScheduleLoopedBFS, zbpipe.ScheduleInterleaved1F1B,
@@ -181,6 +186,53 @@ def test_executor_options_are_keyword_only():
     with pytest.raises(TypeError):
         _C.Executor(*args, 20.0)
     assert _C.Executor(*args, timeout_s=20.0, static_shapes=True).rank == 0
+
+
+def test_executor_options_are_declared_once_and_passed_whole():
+    """Every field of _C.ExecutorOptions is a keyword of every schedule class with the C++
+    default (timeout_s as timeout) and its doc; a schedule gathers them into one ExecutorOptions
+    that its runner passes whole to each executor."""
+    defaults = _C.ExecutorOptions()
+    assert defaults.timeout_s == 300.0 and defaults.prepost_receives is None and defaults.overlap_f_b is True
+    for cls in SCHEDULE_CLASSES:
+        params = inspect.signature(cls).parameters
+        for field in _C.ExecutorOptions.fields:
+            name = "timeout" if field == "timeout_s" else field
+            assert params[name].kind is inspect.Parameter.KEYWORD_ONLY, (cls, name)
+            assert params[name].default == getattr(defaults, field), (cls, name)
+            assert f"{name}: {getattr(_C.ExecutorOptions, field).__doc__.split()[0]}" in zbpipe.PipelineSchedule.__doc__
+    world, stages = _stages(1)
+    sched = zbpipe.ScheduleGPipe(stages[0], 2, loss_fn=F.mse_loss, timeout=20, static_shapes=True, defer_pp_recv=True)
+    assert repr(sched._runner.options) == repr(_C.ExecutorOptions(timeout_s=20.0, static_shapes=True,
+                                                                  prepost_receives=False))
+    for wrong in ("timeout_s", "no_such_option"):
+        with pytest.raises(TypeError, match=f"^ScheduleGPipe\\(\\) got an unexpected keyword argument '{wrong}'$"):
+            zbpipe.ScheduleGPipe(stages[0], 2, loss_fn=F.mse_loss, **{wrong: 1})
+    with pytest.raises(TypeError, match="^ExecutorOptions: timeout_s must be a number of seconds, got str 'x'$"):
+        _C.ExecutorOptions(timeout_s="x")
+
+
+def test_the_stage_interface_lists_what_the_runtime_calls():
+    """StageInterface's members are exactly the names PyStage looks up on a stage
+    (csrc/python/py_stage.cpp), and a PipelineStage has them all."""
+    source = (Path(__file__).resolve().parents[2] / "csrc" / "python" / "py_stage.cpp").read_text()
+    called = set(re.findall(r'"(_zb_\w+)"', source))
+    declared = {name for name in vars(StageInterface) if name.startswith("_zb_")}
+    assert called and called == declared, (sorted(called), sorted(declared))
+    world, stages = _stages(1)
+    assert isinstance(stages[0], StageInterface) and not isinstance(nn.Linear(2, 2), StageInterface)
+
+
+def test_programs_are_equal_by_what_they_do():
+    """Program equality and hash follow the fingerprint (topology, microbatches, actions), not the
+    name: a program rebuilt equals it, another schedule's does not, a renamed copy does."""
+    prog = zbpipe.compile("zb_h1", 2, 4)
+    same = zbpipe.Program.from_csv_text(prog.to_csv_text())
+    assert same.schedule != prog.schedule and same == prog and hash(same) == hash(prog)
+    assert same.fingerprint == prog.fingerprint and prog.fingerprint.startswith("pp=2 stages=2 microbatches=4 ")
+    other = zbpipe.compile("1f1b", 2, 4)
+    assert other != prog and other.fingerprint != prog.fingerprint and prog != "zb_h1"
+    assert {prog: 1, same: 2, other: 3} == {prog: 2, other: 3}
 
 
 def test_program_names_strings_values_paths_text(tmp_path):

@@ -7,6 +7,8 @@ errors (a budget nothing fits, a placement of no family, ranks whose measurement
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -152,11 +154,11 @@ def _fused_rule(rank, pp):
     sched, stages, _ = _auto(rank, pp, "one", timing_steps=2)
     _tune(sched, stages)
     _step(sched, stages, 2)  # the second timing step: the tuning ends
-    safe = sched._schedules["zb_h1"]
-    other = sched._schedule_for("zb_h2", zbpipe.compile("zb_h2", PP, M))
+    safe = sched._schedule_for(zbpipe.compile("zb_h1", PP, M))
+    other = sched._schedule_for(zbpipe.compile("zb_h2", PP, M))
     name = lambda s: None if s is None else s.program.schedule  # noqa: E731
     out = {"safe": name(sched._fused_for(safe)), "other": name(sched._fused_for(other))}
-    sched.tuning.budget = [0.5 * b for b in sched.tuning.budget]  # now 1f1b is over it
+    sched.history[-1] = dataclasses.replace(sched.tuning, budget=[0.5 * b for b in sched.tuning.budget])  # now 1f1b is over it
     out.update(safe_tight=name(sched._fused_for(safe)), other_tight=name(sched._fused_for(other)),
                fits=sched.tuning.predict(zbpipe.compile("1f1b", PP, M)).fits)
     return out
@@ -251,7 +253,7 @@ def test_a_placement_of_no_family_is_refused():
 def _traces(rank, pp, folder):
     sched, stages, _ = _auto(rank, pp, "one")
     _tune(sched, stages)  # the measuring steps: the trace carries the first's memory counters
-    measuring = sched._schedules["zb_h1"]
+    measuring = sched._schedule_for(zbpipe.compile("zb_h1", PP, M))
     path = f"{folder}/rank{rank}.json"
     measuring.export_chrome_trace(path)
     return path, zbpipe.profile_from_trace(measuring.trace()), sched.tuning.deltas
@@ -458,7 +460,7 @@ def _pooled(rank, pp):
         _step(sched, stages, k)
         tuned.append(sched.tuning is not None)
         if k == 0:  # the memory step made the fused schedule; steps 2-5 run these
-            runs = [sched._schedules[n] for n in ("zb_h1", "1f1b", "zb_h1", "1f1b")]
+            runs = [sched._schedule_for(zbpipe.compile(n, PP, M)) for n in ("zb_h1", "1f1b", "zb_h1", "1f1b")]
         if 1 <= k <= 4:
             per_step.append(runs[k - 1].trace())
     pooled = profile_from_trace([r for step in per_step for r in step], clock="host")

@@ -1,12 +1,13 @@
 """ExecutorRunner (zbpipe/schedule_runner.py), on one rank of the in-process loopback world
-(zbpipe._C._LoopbackWorld): one executor per program, built at first use and dropped with the
-program; a build failure split into the caller's errors and PipelineError; the data-parallel
-check after the first step; custom functions on every executor with their PipelineContext; the
-call counts failure messages name; the memory probe; the last executor's trace and Chrome
-trace with the memory counters."""
+(zbpipe._C._LoopbackWorld): one executor per program (the training one, its forwards for eval),
+built at first use and dropped with the program; a build failure split into the caller's errors
+and PipelineError; the data-parallel check after the first step; custom functions on every
+executor with their PipelineContext; the call counts failure messages name; the memory probe;
+the last executor's trace and Chrome trace with the memory counters."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -17,10 +18,9 @@ import torch.nn.functional as F
 import zbpipe
 from zbpipe import _C
 from zbpipe.schedule_runner import ExecutorRunner, PipelineContext
-from zbpipe.step_data import StepData, input_signature
+from zbpipe.step_data import StepData
 
-OPTIONS = dict(timeout_s=20.0, device_timing=False, prepost_receives=None, static_shapes=False,
-               stream_ordered=None, overlap_f_b=True)
+OPTIONS = _C.ExecutorOptions(timeout_s=20.0)
 
 
 @pytest.fixture
@@ -30,7 +30,7 @@ def one_rank():
     world = _C._LoopbackWorld(1)  # kept alive with the stage's group by the caller
     stage = zbpipe.PipelineStage(nn.Linear(4, 4), 0, 1, "cpu", group=world.group(0))
     prog = zbpipe.compile("zb_h1", 1, 2)
-    runner = ExecutorRunner([stage], dict(OPTIONS))
+    runner = ExecutorRunner([stage], OPTIONS)
     runner.bind_program(prog)
     return world, stage, prog, runner
 
@@ -41,55 +41,77 @@ def _step(train: bool = True) -> StepData:
 
 
 def _run(runner, prog, train=True, schedule=None, losses=None):
-    ex = runner.executor(train, lambda t: prog)
-    step = _step(train)
-    return ex, runner.run(ex, step, input_signature(step), 0.5, schedule, losses)
+    """One runner.step: (the executor that ran it, (outputs, losses))."""
+    _, outputs, mb_losses = runner.step("step" if train else "eval", train, lambda: _step(train), 0.5, losses,
+                                        schedule)
+    return runner.executor(train), (outputs, mb_losses)
 
 
 def test_one_executor_per_program_built_at_first_use_and_dropped_with_the_program(one_rank):
     _, _, prog, runner = one_rank
-    asked = []
-
-    def program_for(train):
-        asked.append(train)
-        return prog
-
-    train = runner.executor(True, program_for)
-    assert runner.executor(True, program_for) is train and asked == [True]
-    assert runner.executor(False, program_for) is not train and asked == [True, False]
+    train = runner.executor(True)
+    assert runner.executor(True) is train and train.program == prog
+    forwards = runner.executor(False)  # an eval step's: the program's forwards, in its order
+    assert forwards is not train and forwards.program == _C.lower(_C.strip_backward(prog.compute_only()))
     runner.bind_program(prog)  # a new program: the next step builds anew
-    assert runner.executor(True, program_for) is not train and asked == [True, False, True]
+    assert runner.executor(True) is not train
 
 
-def test_a_build_failure_is_the_callers_error_or_a_pipeline_error(one_rank):
-    _, _, _, runner = one_rank
+def test_a_build_failure_is_the_callers_error_or_a_pipeline_error(one_rank, monkeypatch):
+    _, stage, _, runner = one_rank
 
-    def bad_argument(train):
+    def bad_argument(split):
         raise ValueError("bad argument")
 
+    monkeypatch.setattr(stage, "bind_data_parallel", bad_argument)  # read while the executor is built
     with pytest.raises(ValueError, match="^bad argument$"):
-        runner.executor(True, bad_argument)
+        runner.executor(True)
 
-    def device_failure(train):
+    def device_failure(split):
         raise RuntimeError("device gone")
 
+    monkeypatch.setattr(stage, "bind_data_parallel", device_failure)
     with pytest.raises(zbpipe.PipelineError) as info:
-        runner.executor(True, device_failure)
+        runner.executor(True)
     assert str(info.value) == "rank 0 failed while building its executor: RuntimeError: device gone"
     assert isinstance(info.value.__cause__, RuntimeError)
 
 
 def test_a_stage_that_becomes_data_parallel_after_the_first_step_is_refused(one_rank, monkeypatch):
     _, stage, prog, runner = one_rank
-    runner.executor(True, lambda t: prog)
+    runner.executor(True)
     runner.check_data_parallel(True)  # as it was read: passes
-    monkeypatch.setattr(stage, "_bind_data_parallel", lambda split: True)  # as DDP / fully_shard would
+    monkeypatch.setattr(stage, "bind_data_parallel", lambda split: True)  # as DDP / fully_shard would
     with pytest.raises(ValueError) as info:
         runner.check_data_parallel(True)
     assert str(info.value) == (
         "stage 0: its module became data-parallel (Linear) after this schedule's first step; zbpipe "
         "reads a stage's data parallelism when a schedule first runs it: wrap the module (and assign "
         "stage.submod) before that, or build a new schedule")
+
+
+def test_a_step_counts_itself_scopes_the_stages_and_tells_a_failure_before_the_run(one_rank, monkeypatch):
+    _, stage, prog, runner = one_rank
+    seen, real = [], stage.step_scope
+
+    @contextlib.contextmanager
+    def scope(training):
+        seen.append(("enter", training))
+        with real(training):
+            yield
+        seen.append("exit")
+
+    monkeypatch.setattr(stage, "step_scope", scope)
+    _run(runner, prog)
+    assert seen == [("enter", True), "exit"] and runner.count("step") == 2  # this step was call 1
+
+    def bad_batch():
+        raise ValueError("bad batch")
+
+    with pytest.raises(ValueError, match="^bad batch$"):  # raised as it is on this rank ...
+        runner.step("step", True, bad_batch, 0.5, None, None)
+    with pytest.raises(zbpipe.PipelineError, match="failed in an earlier step"):  # ... and told: unusable
+        _run(runner, prog)
 
 
 def test_call_counts_number_each_kind_of_call(one_rank):
@@ -122,7 +144,7 @@ def test_custom_functions_run_on_executors_built_before_and_after_registering(on
         seen.append((str(action), ctx.schedule_ref, ctx.losses, len(ctx.arg_mbs), len(ctx.target_mbs)))
         ctx.run(action)
 
-    built = runner.executor(True, lambda t: prog)
+    built = runner.executor(True)
     runner.set_custom(_C.Kind.F, forward)  # reaches the executor built before
     assert runner.custom_kinds == {_C.Kind.F}
     owner, losses = object(), []
@@ -131,7 +153,7 @@ def test_custom_functions_run_on_executors_built_before_and_after_registering(on
     assert runner._ctx is None  # the step's context does not outlive it
     runner.bind_program(prog)
     seen.clear()
-    assert runner.executor(True, lambda t: prog) is not built
+    assert runner.executor(True) is not built
     _run(runner, prog, schedule=owner)  # the new executor runs them too
     assert [s[0] for s in seen] == ["0F0", "0F1"]
 

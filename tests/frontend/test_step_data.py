@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from zbpipe.step_data import StepData, input_signature, tensor_layout
+from zbpipe import microbatch
+from zbpipe.step_data import StepData, autocast_state, input_signature, tensor_layout
 
 N = 2
 
@@ -46,6 +47,65 @@ def test_a_batch_that_does_not_split_names_what_and_the_count():
         _build(args=(torch.randn(5, 3),), target=torch.randn(4, 3))
     with pytest.raises(ValueError, match=r"^zbpipe: target has batch size 3, "):
         _build(args=(torch.randn(4, 3),), target=torch.randn(3, 3))
+
+
+def test_a_batch_of_no_rows_is_a_clear_error():
+    with pytest.raises(ValueError, match=r"^zbpipe: argument\[0\] has 0 rows \(shape \(0, 3\)\): a step needs at "
+                                         r"least n_microbatches=2 of them"):
+        _build(args=(torch.randn(0, 3),), target=torch.randn(4, 3))
+    with pytest.raises(ValueError, match=r"is a 0-d tensor, which cannot be split"):
+        _build(args=(torch.tensor(1.0),), target=torch.randn(4, 3))
+
+
+# ---- torch's chunk specs --------------------------------------------------------------------
+
+def test_chunk_specs_split_along_their_dim_and_replicate():
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate
+
+    x, mask, y = torch.randn(3, 4), torch.randn(5), torch.randn(4, 3)
+    nested = (torch.randn(2, 4), torch.randn(4, 2))
+    specs = microbatch.ChunkSpecs(args=(TensorChunkSpec(1), (TensorChunkSpec(1), TensorChunkSpec(0))),
+                                  kwargs={"mask": _Replicate, "scale": _Replicate()})
+    step = _build(args=(x, nested), kwargs={"mask": mask, "scale": 2.0}, target=y, chunk_specs=specs)
+    torch.testing.assert_close(torch.cat([a[0] for a in step.args], dim=1), x)
+    assert [a[0].shape for a in step.args] == [(3, 2), (3, 2)]
+    assert [a[1][0].shape for a in step.args] == [(2, 2), (2, 2)] and [a[1][1].shape for a in step.args] == [(2, 2)] * 2
+    assert all(k["mask"] is mask and k["scale"] == 2.0 for k in step.kwargs)
+    assert [t.shape for t in step.targets] == [(2, 3), (2, 3)]  # targets along dim 0, as torch's
+    with pytest.raises(ValueError, match=r"argument\[0\] has batch size 3 along dim 1, which is not divisible"):
+        _build(args=(torch.randn(4, 3),), target=y, chunk_specs=microbatch.ChunkSpecs(args=(TensorChunkSpec(1),)))
+
+
+def test_chunk_specs_that_do_not_fit_are_named():
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec
+
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    cases = [
+        (dict(args=(TensorChunkSpec(0), TensorChunkSpec(0))), {}, r"args_chunk_spec has 2 spec\(s\) for 1 positional"),
+        (dict(kwargs={"other": TensorChunkSpec(0)}), {"mask": x}, r"kwargs_chunk_spec names \['other'\]"),
+        (dict(args=(TensorChunkSpec(2),)), {}, r"argument\[0\] has 2 dimension\(s\); its chunk spec splits dim 2"),
+        (dict(args=((TensorChunkSpec(0),),)), {}, "a tensor takes TensorChunkSpec\\(dim\\) or _Replicate"),
+    ]
+    for spec, kwargs, match in cases:
+        with pytest.raises(ValueError, match=match):
+            _build(args=(x,), kwargs=kwargs, target=y, chunk_specs=microbatch.ChunkSpecs(**spec))
+    with pytest.raises(TypeError, match="args_chunk_spec must be a tuple"):
+        microbatch.ChunkSpecs(args=TensorChunkSpec(0))
+
+
+def test_merge_specs_concatenate_reduce_or_keep():
+    from torch.distributed.pipelining.microbatch import TensorChunkSpec, _Replicate, sum_reducer
+
+    chunks = [{"y": torch.full((2, 1), float(i)), "n": torch.tensor(2.0), "tag": "a"} for i in range(3)]
+    out = microbatch.merge(chunks, {"y": TensorChunkSpec(1), "n": sum_reducer, "tag": _Replicate})
+    torch.testing.assert_close(out["y"], torch.tensor([[0.0, 1.0, 2.0]] * 2))
+    torch.testing.assert_close(out["n"], torch.tensor(6.0))
+    assert out["tag"] == "a"
+    with pytest.raises(ValueError, match="microbatch 1's differs from microbatch 0's"):
+        microbatch.merge([{"t": "a"}, {"t": "b"}], {"t": _Replicate})
+    # Without a spec: dim 0, 0-d tensors stacked, other values as the list of chunks.
+    out = microbatch.merge([(torch.ones(1, 2), torch.tensor(1.0), "x")] * 2)
+    assert out[0].shape == (2, 2) and out[1].shape == (2,) and out[2] == ["x", "x"]
 
 
 def test_no_keyword_arguments_leave_kwargs_none():
@@ -153,3 +213,19 @@ def test_tensor_layout_collects_the_tensors_in_order():
     out: list = []
     assert tensor_layout({"y": (a, None), "x": [b]}, out) == "{'x':(T),'y':(T,.)}"
     assert out[0] is b and out[1] is a
+
+
+def test_input_signature_names_the_autocast_state():
+    """A step under autocast has another signature than one without it, or under another
+    dtype (the ranks negotiate its shapes anew); the state of the stages' device type and the
+    CPU's."""
+    step = _build(args=(torch.randn(4, 3),), target=torch.randn(4, 3))
+    plain = input_signature(step)
+    assert autocast_state("cpu") == "" and plain[1] == "((T),{})"
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        bf16 = input_signature(step)
+        assert autocast_state("cuda") == " autocast(cpu=bfloat16)"
+    with torch.autocast("cpu", dtype=torch.float16):
+        fp16 = input_signature(step)
+    assert bf16[1] == "((T),{}) autocast(cpu=bfloat16)" and fp16[1] == "((T),{}) autocast(cpu=float16)"
+    assert plain[0] == bf16[0] == fp16[0]

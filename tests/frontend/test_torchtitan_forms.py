@@ -2,7 +2,9 @@
 (0.3.0: torchtitan/distributed/pipeline_parallel.py, trainer.py, components/validate.py) makes
 them on torch's, without installing torchtitan: the swapped import lines; a decoder split into
 stage modules that keep the full model's parameter names (_split_module's deep copy, other
-stages' modules removed); PipelineStage(..., group=, get_mesh=); the parallelized module
+stages' modules removed); PipelineStage(chunk, idx, n, device, group=, get_mesh=) on the device
+torchtitan's trainer makes, torch.device(f"{device_type}:{LOCAL_RANK}") (cpu:1 on rank 1 of
+one CPU node: local_device below); the parallelized module
 assigned to stage.submod after the stage is built (fully_shard included); the schedule built by
 _build_pipeline_schedule's rules (looped schedules get backward_requires_autograd=, every one
 scale_grads=False and a loss_fn that returns (loss, aux)); step(arg_mbs=, kwarg_mbs=,
@@ -192,6 +194,12 @@ def _grads_of(parts) -> dict:
     return grads
 
 
+def local_device(rank: int) -> torch.device:
+    """torchtitan's Trainer.device: torch.device(f"{device_type}:{int(os.environ['LOCAL_RANK'])}"),
+    on one CPU node (LOCAL_RANK is the rank)."""
+    return torch.device(f"cpu:{rank}")
+
+
 _MESHES: dict = {}  # per rank process: one device mesh per shape, made once
 
 
@@ -223,7 +231,7 @@ def case_pipeline_llm(rank, world, name, scale_grads):
     stages, model_parts = [], []
     for idx in stage_indices(pp_mesh.get_local_rank(), pp_mesh.size(), schedule_class, len(names)):
         chunk = split_module(whole, names[idx])
-        stages.append(PipelineStage(chunk, idx, len(names), torch.device("cpu"),
+        stages.append(PipelineStage(chunk, idx, len(names), local_device(rank),
                                     group=pp_mesh.get_group("pp"), get_mesh=get_mesh))
         model_parts.append(chunk)
     for i, m in enumerate(model_parts):
@@ -310,7 +318,7 @@ def case_fully_shard_after_build(rank, world, name):
     stages, model_parts = [], []
     for idx in stage_indices(pp_rank, pp, schedule_class, len(names)):
         chunk = split_module(whole, names[idx])
-        stages.append(PipelineStage(chunk, idx, len(names), torch.device("cpu"), group=mesh["pp"].get_group(),
+        stages.append(PipelineStage(chunk, idx, len(names), local_device(rank), group=mesh["pp"].get_group(),
                                     get_mesh=lambda names, layout: mesh[names]))
         model_parts.append(chunk)
     for i, m in enumerate(model_parts):
@@ -356,7 +364,7 @@ def case_sharded_after_first_step(rank, world):
     torch.manual_seed(0)
     names = fqns_per_stage(world)
     chunk = split_module(Decoder(), names[rank])
-    stage = PipelineStage(chunk, rank, world, torch.device("cpu"), group=mesh["pp"].get_group())
+    stage = PipelineStage(chunk, rank, world, local_device(rank), group=mesh["pp"].get_group())
     schedule = build_schedule("1F1B", [stage])
     mbs = microbatches(0)
     pp_forward_backward_step(schedule, stage.is_first, stage.is_last, mbs, 48)

@@ -4,7 +4,9 @@ A pipelined step computes the same math as one process, summed in another order 
 microbatch, then accumulated): results agree to float reassociation, RTOL/ATOL below, and every
 comparison of losses, outputs and gradients uses them through torch.testing.assert_close. The
 one exception is a GPU result against a CPU reference (tests/runtime/test_device_cuda.py):
-other kernels, not only another order, so DEVICE_RTOL/DEVICE_ATOL.
+other kernels, not only another order, so DEVICE_RTOL/DEVICE_ATOL. Under autocast (bf16, fp16)
+the same math rounds to 8 or 11 bits, summed in another order: LOWP_RTOL/LOWP_ATOL (issue 44's
+2e-2), chosen with low_precision=True.
 """
 
 from __future__ import annotations
@@ -16,12 +18,14 @@ from torch import nn
 
 RTOL, ATOL = 1e-4, 1e-6
 DEVICE_RTOL, DEVICE_ATOL = 1e-3, 1e-5
+LOWP_RTOL, LOWP_ATOL = 2e-2, 2e-2
 
 
-def assert_close(actual, expected, msg=None) -> None:
+def assert_close(actual, expected, msg=None, low_precision: bool = False) -> None:
     """torch.testing.assert_close at the suite's tolerance (tensors, numbers, or nests of them);
-    a tensor on another device than `expected` is moved there first, at DEVICE_RTOL/ATOL."""
-    rtol, atol = RTOL, ATOL
+    a tensor on another device than `expected` is moved there first, at DEVICE_RTOL/ATOL;
+    low_precision: at LOWP_RTOL/ATOL (autocast, bf16/fp16)."""
+    rtol, atol = (LOWP_RTOL, LOWP_ATOL) if low_precision else (RTOL, ATOL)
     if isinstance(actual, torch.Tensor) and isinstance(expected, torch.Tensor) and actual.device != expected.device:
         actual, rtol, atol = actual.to(expected.device), DEVICE_RTOL, DEVICE_ATOL
     torch.testing.assert_close(actual, expected, rtol=rtol, atol=atol, msg=msg)
@@ -35,7 +39,7 @@ def _named(params) -> list[tuple[str, nn.Parameter]]:
     return [(f"{i}.{n}", p) for i, m in enumerate(params) for n, p in _named(m)]
 
 
-def assert_grads_close(actual, expected, msg: str = "") -> None:
+def assert_grads_close(actual, expected, msg: str = "", low_precision: bool = False) -> None:
     """Every parameter of `actual` has the gradient of its counterpart in `expected`: two
     modules, two sequences of modules (stage by stage), or two {name: parameter} maps, matched
     in order. A gradient both sides lack matches; one side lacking it fails. A sharded (DTensor)
@@ -48,4 +52,4 @@ def assert_grads_close(actual, expected, msg: str = "") -> None:
             assert p.grad is None and q.grad is None, f"{where}: {p.grad is None=} {q.grad is None=}"
             continue
         grad = p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad
-        assert_close(grad, q.grad, msg=lambda m, where=where: f"{where}: {m}")
+        assert_close(grad, q.grad, msg=lambda m, where=where: f"{where}: {m}", low_precision=low_precision)

@@ -87,14 +87,25 @@ class Counting(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def loopback_steps(name, pp, m, *, track=False, store=True, device="cpu"):
-    """STEPS steps of `name` on a loopback world (with a store unless `store` is False); per
-    rank, for the last step: its host-blocking waits, its events, its host reads (counted on
-    the rank's thread) and, with `track`, its Tracker. On a CUDA `device` each rank computes on
-    a stream of its own (the loopback's copies and waits then order real streams)."""
+def host_waits_inside_the_step(events, settles) -> int:
+    """The host-blocking waits ("sync" events) a step recorded before its end began (its last
+    settle): what a host must not do on a GPU. Those at the end itself are the step's end
+    completing what the device has not finished yet, which depends on how far the device lags
+    the host, not on zbpipe (lagging_polls models it on the CPU)."""
+    end = settles[-1] if settles else len(events)
+    return sum(1 for kind, *_ in events[:end] if kind == "sync")
+
+
+def loopback_steps(name, pp, m, *, track=False, store=True, device="cpu", lagging_polls=0):
+    """STEPS steps of `name` on a loopback world (with a store unless `store` is False; its
+    works lag the host by `lagging_polls`, see _LoopbackWorld); per rank, for the last step:
+    its host-blocking waits (all, and those inside the step), its events, its host reads
+    (counted on the rank's thread) and, with `track`, its Tracker. On a CUDA `device` each
+    rank computes on a stream of its own (the loopback's copies and waits then order real
+    streams)."""
     prog = zbpipe.compile(name, pp, m)
     ns = prog.num_stages
-    world = _C._LoopbackWorld(pp, store=store)
+    world = _C._LoopbackWorld(pp, store=store, lagging_polls=lagging_polls)
     torch.manual_seed(0)
     x, y = torch.randn(2 * m, WIDTH, device=device), torch.randn(2 * m, WIDTH, device=device)
     cuda = torch.device(device).type == "cuda"
@@ -119,7 +130,9 @@ def loopback_steps(name, pp, m, *, track=False, store=True, device="cpu"):
             if cuda:
                 torch.cuda.current_stream().synchronize()
         barrier.wait(30)
-        return dict(host_waits=world.host_waits(r), events=world.events(r), host_reads=counting.host_reads,
+        events, settles = world.events(r), world.settles(r)
+        return dict(host_waits=world.host_waits(r), events=events, settles=settles,
+                    host_waits_inside=host_waits_inside_the_step(events, settles), host_reads=counting.host_reads,
                     tracker=tracker, grads={s: mod.w.grad.cpu() for s, mod in mods.items()})
 
     def _steps(r, sched, mods, tracker, counting, args, target):

@@ -130,4 +130,4 @@ def rank_step(sched, world, rank, x, y, **kwargs):
 def training_executor(sched):
     """The C++ executor of `sched`'s training program (built at its first use): the white-box
     tests read its handshakes, signatures and run_part."""
-    return sched._runner.executor(True, sched._program_for)
+    return sched._runner.executor(True)

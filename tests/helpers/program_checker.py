@@ -141,3 +141,79 @@ def check(prog, forward_only: bool = False) -> None:
     """check_program on a zbpipe.Program (its action strings only)."""
     check_program([prog.actions(r) for r in range(prog.pp)], list(prog.stage_to_rank),
                   prog.microbatches, forward_only)
+
+
+# ---- vocabulary parallelism (docs/vocab_parallel.md) ------------------------------------------
+
+_VOCAB = re.compile(r"^(\d+)(S|T|BCAST_F|ALLREDUCE_S|REDUCE_B)(\d+)$")
+COLLECTIVES = ("BCAST_F", "ALLREDUCE_S", "REDUCE_B")
+
+
+def check_vocab_program(ranks: list[list[str]], stage_to_rank: list[int], microbatches: int,
+                        forward_only: bool = False) -> None:
+    """check_program on the program without its vocabulary actions, then the vocabulary rule
+    restated: on rank r the shard r's BCAST_F, S, ALLREDUCE_S (and, training, REDUCE_B and T)
+    of every microbatch, once each; one order of collectives on every rank; and a blocking run
+    where a collective completes once every rank posted it, S waits for BCAST_F, T and REDUCE_B
+    for ALLREDUCE_S, the root's BCAST_F follows the last stage's F and the last stage's backward
+    waits for REDUCE_B."""
+    pp, last = len(ranks), len(stage_to_rank) - 1
+    root = stage_to_rank[last]
+    base = [[a for a in row if not _VOCAB.match(a)] for row in ranks]
+    check_program(base, stage_to_rank, microbatches, forward_only)
+    kinds = ("S", "BCAST_F", "ALLREDUCE_S") if forward_only else ("S", "T", *COLLECTIVES)
+    orders = []
+    for r, row in enumerate(ranks):
+        mine = [(int(m.group(1)), m.group(2), int(m.group(3))) for m in map(_VOCAB.match, row) if m]
+        if any(shard != r for shard, _, _ in mine):
+            raise ProgramError(f"rank {r} runs another shard's vocabulary action: {mine}")
+        want = sorted((k, mb) for k in kinds for mb in range(microbatches))
+        if sorted((k, mb) for _, k, mb in mine) != want:
+            raise ProgramError(f"rank {r}: vocabulary actions {sorted((k, mb) for _, k, mb in mine)} "
+                               f"are not one of each of {kinds} per microbatch")
+        orders.append([(k, mb) for _, k, mb in mine if k in COLLECTIVES])
+    if any(o != orders[0] for o in orders):
+        raise ProgramError("the ranks post the collectives in different orders")
+
+    posted: dict[tuple[str, int], int] = defaultdict(int)
+    done: set = set()
+    pos = [0] * pp
+    progress = True
+    while progress:
+        progress = False
+        for r, row in enumerate(ranks):
+            while pos[r] < len(row):
+                text = row[pos[r]]
+                m = _VOCAB.match(text)
+                if m:
+                    kind, mb = m.group(2), int(m.group(3))
+                    wait = {"S": "BCAST_F", "T": "ALLREDUCE_S", "REDUCE_B": "ALLREDUCE_S"}.get(kind)
+                    if wait and posted[(wait, mb)] < pp:
+                        break
+                    if kind == "ALLREDUCE_S" and (r, "S", mb) not in done:
+                        break
+                    if kind == "BCAST_F" and r == root and (last, "F", mb) not in done:
+                        break
+                    if kind in COLLECTIVES:
+                        posted[(kind, mb)] += 1
+                    done.add((r, kind, mb))
+                else:
+                    parts = parse(text)
+                    ok = all(any(opt in done for opt in req)
+                             for p in parts for req in _needs(p, stage_to_rank.__getitem__, last))
+                    if ok and not forward_only:
+                        ok = all(posted[("REDUCE_B", mb)] == pp for s, k, mb in parts if s == last and k in ("B", "I"))
+                    if not ok:
+                        break
+                    done.update(parts)
+                pos[r] += 1
+                progress = True
+    stuck = [f"rank {r} at {ranks[r][pos[r]]}" for r in range(pp) if pos[r] < len(ranks[r])]
+    if stuck:
+        raise ProgramError("deadlock in a blocking run with collectives: " + "; ".join(stuck))
+
+
+def check_vocab(prog, forward_only: bool = False) -> None:
+    """check_vocab_program on a zbpipe.Program (its action strings only)."""
+    check_vocab_program([prog.actions(r) for r in range(prog.pp)], list(prog.stage_to_rank),
+                        prog.microbatches, forward_only)

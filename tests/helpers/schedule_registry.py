@@ -94,14 +94,14 @@ def local_stages(program: zbpipe.Program, rank: int) -> list[int]:
 
 
 def rank_schedule(name: str, modules, rank: int, pp: int, microbatches: int, *, stages_per_rank=None, group=None,
-                  wrap=None, stage_kwargs: dict | None = None, **schedule_kwargs):
+                  wrap=None, device="cpu", stage_kwargs: dict | None = None, **schedule_kwargs):
     """This rank's zbpipe.PipelineStages over `modules` (every stage's module, indexed by stage;
-    `wrap(module)` wraps the local ones, e.g. in DDP) as schedule `name` places them, and its
-    schedule class over them (a single-stage class takes the stage, a multi-stage one the
-    list). Returns (schedule, local stage indices)."""
+    `wrap(module)` wraps the local ones, e.g. in DDP) on `device` as schedule `name` places
+    them, and its schedule class over them (a single-stage class takes the stage, a
+    multi-stage one the list). Returns (schedule, local stage indices)."""
     program = zbpipe.compile(name, pp, microbatches, stages_per_rank)
     mine = local_stages(program, rank)
-    stages = [zbpipe.PipelineStage(wrap(modules[s]) if wrap else modules[s], s, program.num_stages, "cpu",
+    stages = [zbpipe.PipelineStage(wrap(modules[s]) if wrap else modules[s], s, program.num_stages, device,
                                    group=group, **(stage_kwargs or {})) for s in mine]
     cls = zbpipe.get_schedule_class(name)
     arg = stages[0] if issubclass(cls, zbpipe.PipelineScheduleSingle) else stages

@@ -104,11 +104,15 @@ def test_a_function_registered_or_removed_between_steps_applies_from_the_next_st
         ex.set_custom_actions(fn, [zbpipe.Kind.SEND_F])
 
 
+_BATCH = (torch.randn(8, 4, generator=torch.Generator().manual_seed(1)),
+          torch.randn(8, 4, generator=torch.Generator().manual_seed(2)))
+
+
 def _dualpipev(world, r, mods, fn):
     """DualPipeV on a two-rank world (stages 0, 3 on rank 0; 1, 2 on rank 1) with `fn` for
-    OVERLAP_F_B when given; (its losses, or the PipelineError's text) and the units `fn` saw."""
-    torch.manual_seed(1)
-    x, y = torch.randn(8, 4), torch.randn(8, 4)
+    OVERLAP_F_B when given; (its losses, or the PipelineError's text) and the units `fn` saw.
+    The batch is drawn before the rank threads start: both share the global generator."""
+    x, y = _BATCH
     mine = [0, 3] if r == 0 else [1, 2]
     stages = [zbpipe.PipelineStage(mods[s], s, 4, "cpu", group=world.group(r)) for s in mine]
     sched = zbpipe.ScheduleDualPipeV(stages, 4, loss_fn=F.mse_loss, stream_ordered=True, timeout=30.0)

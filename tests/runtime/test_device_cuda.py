@@ -4,14 +4,16 @@ per-action device timing through c10 events; with two GPUs, NCCL P2P (device_id 
 batch coalesced, waits polled to a deadline): exactness for several schedules and a stopped
 peer failing the other rank in bounded time; pp=2 on one GPU through the loopback group (each
 rank on a stream of its own, the group's copies kernels and its waits CUDA events): exact, no
-host-blocking wait nor host read in a steady step, sends released when posted, a stopped peer
-failing the other within the timeout. Skipped without a GPU (the CPU torch of CI has
-none); benchmarks/gpu_check.sh runs this file on a GPU machine."""
+host-blocking wait nor host read inside a steady step, sends released when posted, a stopped
+peer failing the other within the timeout; the loopback's copy into a posted receive ordered
+after the receiver's stream. Skipped without a GPU (the CPU torch of CI has none);
+benchmarks/gpu_quick.sh and gpu_check.sh run this file on a GPU machine."""
 
 from __future__ import annotations
 
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -125,7 +127,9 @@ def _nccl_step(rank, pp, name, stop_rank):
                 timeout=5.0 if stop_rank is not None else 120.0)
     t0 = time.monotonic()
     try:
-        sched.step(*((x.to(dev),) if 0 in mine else ()), target=y.to(dev) if ns - 1 in mine else None)
+        with warnings.catch_warnings():  # the world's group timeout (NCCL_PG_TIMEOUT_S) is above the schedule's
+            warnings.filterwarnings("error", message="zbpipe: timeout=")
+            sched.step(*((x.to(dev),) if 0 in mine else ()), target=y.to(dev) if ns - 1 in mine else None)
         torch.cuda.synchronize()
     except Exception as e:  # noqa: BLE001 - reported
         return (type(e).__name__, str(e)[:3000], time.monotonic() - t0)
@@ -139,10 +143,13 @@ TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2,
                               reason="needs two GPUs for NCCL P2P (NCCL refuses two ranks on one GPU)")
 
 
+NCCL_PG_TIMEOUT_S = 300.0  # the group's own timeout: above every schedule timeout here
+
+
 @pytest.fixture(scope="module")
 def nccl_world():
     """Two ranks on two GPUs, NCCL for CUDA tensors (Gloo for CPU ones), shared by the module."""
-    with LocalWorld(2, device="cuda") as world:
+    with LocalWorld(2, device="cuda", pg_timeout_s=NCCL_PG_TIMEOUT_S) as world:
         yield world
 
 
@@ -167,11 +174,13 @@ def test_nccl_stopped_peer_fails_the_other_in_bounded_time(nccl_world):
 def test_pp2_on_one_gpu_through_the_loopback_group(name):
     # Two ranks on one GPU, each computing on a stream of its own; the loopback group's copies
     # are kernels and its waits CUDA events (csrc/runtime/loopback.h). Exact, the host never
-    # blocks on a message in a steady step, nothing read on the host, and a rank's peak of
-    # saved activations and boundary buffers (sends released when posted) is the model's.
+    # blocks on a message inside a steady step (at its end it may: how long the GPU lags the
+    # host is not zbpipe's), nothing read on the host, and a rank's peak of saved activations
+    # and boundary buffers (sends released when posted) is the model's.
     prog, out = loopback_steps(name, 2, 4, track=True, device="cuda")
     for r, res in sorted(out.items()):
-        assert res["host_waits"] == 0 and res["host_reads"] == 0, (name, r, res["host_waits"], res["host_reads"])
+        assert res["host_waits_inside"] == 0 and res["host_reads"] == 0, (name, r, res["events"], res["settles"],
+                                                                          res["host_reads"])
         tr = res["tracker"]
         mem_f = [float(tr.per_forward[0])] * prog.num_stages
         assert max(tr.snapshots) == zbpipe.simulate(prog, mem_f=mem_f).peak_memory[r], (name, r, tr.snapshots)
@@ -184,3 +193,35 @@ def test_pp2_on_one_gpu_a_stopped_peer_fails_the_other_within_the_timeout():
     kind, msg, seconds = out[0]
     assert kind == "PipelineError" and "rank 1" in msg, out[0]
     assert seconds < STOP_TIMEOUT_S + 10, seconds
+
+
+def test_loopback_copy_into_a_posted_receive_waits_for_the_receivers_stream():
+    # The receiver's stream still reads a block when it frees it and posts a receive into the
+    # same block (the caching allocator reuses it at once on that stream); NCCL runs the
+    # receive after what the receiver queued before posting it, and so must the loopback's
+    # copy, which runs on the sender's stream: without that order it overwrites the block
+    # before the queued kernel read it.
+    from zbpipe import _C
+
+    world = _C._LoopbackWorld(2)
+    dev = torch.device("cuda", 0)
+    n = 1 << 20
+    recv_stream, send_stream = torch.cuda.Stream(), torch.cuda.Stream()
+    with torch.cuda.stream(recv_stream):
+        a = torch.full((n,), 1.0, device=dev)
+        torch.cuda._sleep(200_000_000)  # the receiver's stream runs far behind its host
+        b = a * 2                        # queued: reads a after the sleep
+        a_ptr = a.data_ptr()
+        del a
+        buf = torch.empty(n, device=dev)
+        if buf.data_ptr() != a_ptr:
+            pytest.skip("the caching allocator did not reuse the freed block for the receive")
+        work = world.group(1).recv([buf], 0, 0)
+    with torch.cuda.stream(send_stream):
+        src = torch.full((n,), 7.0, device=dev)
+        world.group(0).send([src], 1, 0).wait()
+    with torch.cuda.stream(recv_stream):
+        work.wait()
+    torch.cuda.synchronize()
+    assert bool((b == 2).all()), "the copy overwrote the buffer before the receiver's queued kernel read it"
+    assert bool((buf == 7).all())

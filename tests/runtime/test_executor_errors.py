@@ -112,7 +112,7 @@ def _scenario(rank, pp, scenario):
         return _attempt(rank, _plain(rank, shrink_at=3))
     if scenario == "stage_exception":
         return _attempt(rank, _plain(rank, fail_at=2))
-    if scenario == "broken_module":  # fails in the shape pass: meta run, then the real one
+    if scenario == "broken_module":  # fails in the shape pass: fake-tensor run, then the real one
         return _attempt(rank, _plain(rank, broken=True))
     if scenario == "placement":
         return _placement(rank)
@@ -252,7 +252,7 @@ def test_stage_exception_names_the_culprit_first_on_every_rank(spawn_world):
 
 
 def test_a_user_error_in_the_shape_pass_is_reported_once(spawn_world):
-    """The module raises in the meta-tensor shape pass and again in the real one that follows:
+    """The module raises in the fake-tensor shape pass and again in the real one that follows:
     one error, one traceback, no chained duplicate, on the failing rank; none on its peers."""
     culprit = ("rank 1 failed in stage 1 at the start of step 1 (inferring its output shapes): "
                "RuntimeError: this module is broken")

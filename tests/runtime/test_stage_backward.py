@@ -3,9 +3,11 @@ exactly the gradients of one full backward, single process, and W carries the we
 weights used twice, tied/transposed weights, weight-region diamonds, unused parameters, stage
 inputs that need no gradient, multi-output nodes, custom autograd Functions (DualPipe's
 LinearFunc, which adds to weight.grad inside its backward), tensor/node hooks (each runs once),
-non-reentrant checkpoint (reentrant is refused with the fix named), a torch.compile'd stage,
+non-reentrant checkpoint (reentrant runs fused, the fix named), a torch.compile'd stage,
 the per-shape analysis cache, the release of I's part of the graph, and the deferred-Linear
-queue (also under checkpoint)."""
+queue (also under checkpoint). Boundary nodes some of whose inputs get no gradient (GroupNorm's
+mean and rstd, an LSTM's last states: they aborted the process), and nodes whose weight side
+needs their input side (run once, in I; the list checked against torch's derivatives.yaml)."""
 
 from __future__ import annotations
 
@@ -443,11 +445,139 @@ def test_non_reentrant_checkpoint_is_exact(input_grad):
         assert_close(dx, xr.grad)
 
 
-def test_reentrant_checkpoint_on_the_input_path_is_refused_naming_the_fix():
+def test_reentrant_checkpoint_on_the_input_path_runs_fused_naming_the_fix():
+    """The split cannot take a reentrant checkpoint on the input path (its backward runs a full
+    backward of its own): I runs the whole backward, exact, W has nothing, and work.fused says
+    why, naming use_reentrant=False."""
+    torch.manual_seed(0)
     model = Checkpointed(reentrant=True)
+    ref = copy.deepcopy(model)
+    x, g = torch.randn(4, 6), torch.randn(4, 6)
+    xr = x.clone().requires_grad_(True)
+    ref(xr).backward(g)
+    xs = x.clone().requires_grad_(True)
+    (dx,), work = _C.backward_input([model(xs)], [g], [xs])
+    assert "use_reentrant=False" in work.fused and len(work) == 0
+    assert_grads_close(model, ref)  # filled by I
+    assert_close(dx, xr.grad)
+    _C.backward_weight(work)
+    assert_grads_close(model, ref)  # W added nothing
+
+
+def test_a_split_graph_says_nothing_of_a_fallback():
+    model = Checkpointed(reentrant=False)
     x = torch.randn(4, 6, requires_grad=True)
-    with pytest.raises(RuntimeError, match=r"use_reentrant=False"):
-        _C.backward_input([model(x)], [torch.ones(4, 6)], [x])
+    _, work = _C.backward_input([model(x)], [torch.ones(4, 6)], [x])
+    assert work.fused is None
+    _C.backward_weight(work)
+
+
+class GroupNormBlock(nn.Module):  # native_group_norm: outputs (y, mean, rstd), only y gets a gradient
+    def __init__(self):
+        super().__init__()
+        self.lin, self.norm = nn.Linear(6, 6), nn.GroupNorm(2, 6)
+
+    def forward(self, x):
+        return self.norm(self.lin(x))
+
+
+class LSTMBlock(nn.Module):  # mkldnn_rnn_layer: (out, hy, cy, workspace), only out gets one
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 6, num_layers=2)
+
+    def forward(self, x):
+        return self.lstm(x.unsqueeze(1))[0].squeeze(1)
+
+
+class GRUBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.gru = nn.GRU(6, 6)
+
+    def forward(self, x):
+        return self.gru(x.unsqueeze(1))[0].squeeze(1)
+
+
+class PReLUBlock(nn.Module):  # _prelu_kernel_backward: the input and weight gradients in one call
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act = nn.Linear(6, 6), nn.PReLU(6)
+
+    def forward(self, x):
+        return self.act(self.lin(x))
+
+
+@pytest.mark.parametrize("input_grad", [True, False], ids=["mid-stage", "first-stage"])
+@pytest.mark.parametrize("cls", [GroupNormBlock, LSTMBlock, GRUBlock, PReLUBlock], ids=lambda c: c.__name__)
+def test_boundary_nodes_whose_outputs_got_no_gradient_split_exactly(cls, input_grad):
+    """The split's W re-runs a boundary node from the gradients it received in I, as roots of
+    one engine run; an output of the forward op that no gradient reached got an undefined one,
+    which the engine cannot take as a root (std::terminate: the process aborted, issue 44). W
+    gives it none, as B does."""
+    test_split_equals_full(cls, input_grad)
+
+
+class _CountOps(TorchDispatchMode):
+    def __init__(self, names):
+        super().__init__()
+        self.names, self.n = names, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if str(func.overloadpacket).split(".")[-1] in self.names:
+            self.n += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count(names, fn) -> int:
+    with _CountOps(names) as c:
+        fn()
+    return c.n
+
+
+# Per module, its layer's backward kernel and how often I and W run it together: once where the
+# kernel computes the input and weight sides in one call whatever is asked (the node runs
+# whole in I), twice where it honours its output mask (input side in I, weight side in W).
+KERNELS = [(LSTMBlock, "mkldnn_rnn_layer_backward", 2, 2), (PReLUBlock, "_prelu_kernel_backward", 1, 1),
+           (GroupNormBlock, "native_group_norm_backward", 1, 2)]
+
+
+@pytest.mark.parametrize("cls,kernel,in_b,in_split", KERNELS, ids=lambda v: getattr(v, "__name__", str(v)))
+def test_a_node_whose_weight_side_needs_its_input_side_runs_once_in_i(cls, kernel, in_b, in_split):
+    torch.manual_seed(0)
+    model = cls()
+    x, g = torch.randn(4, 6), torch.randn(4, 6)
+    xr = x.clone().requires_grad_(True)
+    out = model(xr)
+    assert _count({kernel}, lambda: _C.backward_full([out], [g], [xr])) == in_b
+    xs = x.clone().requires_grad_(True)
+    out = model(xs)
+    box = {}
+    i = _count({kernel}, lambda: box.setdefault("work", _C.backward_input([out], [g], [xs])[1]))
+    w = _count({kernel}, lambda: _C.backward_weight(box["work"]))
+    assert (i + w, w) == (in_split, 0 if in_split == in_b else 1), (i, w)
+
+
+def test_the_joint_node_list_is_torchs():
+    """The nodes run whole in I are those of torch's derivatives.yaml whose formula gives
+    several inputs' gradients without grad_input_mask, plus the RNNs of cuDNN and MIOpen
+    (their backward computes the input side to get the weights')."""
+    pytest.importorskip("yaml")
+    import os
+
+    import torchgen
+    from torchgen.packaged.autograd.load_derivatives import load_derivatives
+
+    root = os.path.join(os.path.dirname(torchgen.__file__), "packaged")
+    infos, _ = load_derivatives(os.path.join(root, "autograd", "derivatives.yaml"),
+                                os.path.join(root, "ATen", "native", "native_functions.yaml"),
+                                os.path.join(root, "ATen", "native", "tags.yaml"))
+    joint = {info.op for by_key in infos.values() for info in by_key.values() if info.op
+             for d in info.derivatives if len(d.var_names) > 1 and "grad_input_mask" not in d.formula}
+    listed = _C._joint_backward_nodes()
+    assert listed == sorted(listed)  # looked up by binary search
+    assert set(listed) == joint | {"CudnnRnnBackward0", "MiopenRnnBackward0"}
+
 
 
 @pytest.mark.parametrize("reentrant", [False, True], ids=["non-reentrant", "reentrant"])

@@ -32,6 +32,28 @@ def test_a_steady_step_never_blocks_the_host_nor_reads_a_device_value(name):
         assert posts and all(op[3] == 2 * 4 * WIDTH for ops in posts for op in ops), (name, r, posts)
 
 
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_a_lagging_device_blocks_the_host_only_at_the_steps_end(name):
+    # A GPU may still run the step's kernels when the host reaches the step's end: the works
+    # then answer "not complete" (lagging_polls), and the end blocks the host on them. That is
+    # the end's wait, not one inside the step, so a count of every host wait (host_waits) is
+    # not what a one-GPU run may assert: it depends on how far the device lags.
+    prog, out = loopback_steps(name, 2, 4, lagging_polls=1000)
+    for r, res in sorted(out.items()):
+        assert res["host_waits"] > 0, (name, r, res["events"])  # the end waited for the device
+        assert len(res["settles"]) == 1, (name, r, res["settles"])
+        assert res["host_waits_inside"] == 0, (name, r, res["events"], res["settles"])
+
+
+def test_a_host_wait_inside_the_step_is_told_apart_from_the_ends():
+    from helpers.hot_path import host_waits_inside_the_step
+
+    events = [("post", 0, True, []), ("sync", 0, False, []), ("wait", 1, False, []), ("sync", 1, False, [])]
+    assert host_waits_inside_the_step(events, [3]) == 1   # the first sync came before the end
+    assert host_waits_inside_the_step(events, [1]) == 0
+    assert host_waits_inside_the_step(events, []) == 2    # no end recorded: every wait counts
+
+
 def test_without_a_store_the_signature_is_a_message_read_on_the_host():
     # The counters see what the store removes: the storeless loopback world still sends the
     # index as a one-element message, which its receivers wait for on the host and read.

@@ -41,6 +41,16 @@ def test_smoke_table_rows_finite_ratios_json_and_picture(tmp_path, capsys):
     assert rows["zb_h1"]["torch_ms"] is None and rows["zb_h1"]["zbpipe_over_torch"] is None
     assert "no zb_h1 schedule" in rows["zb_h1"]["torch_note"]
     assert doc["hop"]["hop_s"] > 0 and doc["hop"]["bandwidth_Bps"] > 0
+    # The host: the ranks' CPUs, each run's run-queue delay beside its gap (Linux: schedstat).
+    assert doc["hosts"] and sum(len(h["ranks"]) for h in doc["hosts"]) == 4 and all(h["cpus"] >= 1 for h in doc["hosts"])
+    for name, r in rows.items():
+        assert r["runq_ms"] is not None and r["runq_ms"] >= 0 and 0 <= r["runq_rank"] < 4, (name, r)
+        assert r["runq_fraction"] == pytest.approx(r["runq_ms"] / r["realized_ms"]), (name, r)
+        assert r["runq_process_ms"] >= r["runq_ms"], (name, r)  # the executor's thread is one of the process's
+    assert "run-queue ms" in out and "rank(s) on" in out
+    assert doc["warnings"] == [line for line in out.splitlines() if line.startswith("warning: ")]
+    # zbpipe's wait bound is below the group's own timeout (NCCL's watchdog must not win).
+    assert doc["timeouts"]["group_s"] > doc["timeouts"]["schedule_s"] > 0, doc["timeouts"]
     for name in rows:
         data = (tmp_path / f"step_{name}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n"
@@ -162,3 +172,124 @@ def test_torch_runs_on_a_one_device_gloo_group_zbpipe_on_the_worlds_two():
 
     results = run_local(_groups_of_the_libraries, 2, timeout_s=60, gloo_devices=2)
     assert results == [(2, 1, True, True)] * 2
+
+
+# ---- the host: run-queue delay and CPUs ----------------------------------------------------
+
+
+def test_the_run_queue_delay_counts_waiting_for_a_cpu_not_sleeping():
+    import os
+    import subprocess
+    import sys
+    import time
+
+    from zbpipe.bench.host_load import RunQueue, cpus_in_use
+
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        pytest.skip("no /proc/thread-self/schedstat (not Linux)")
+    before = os.sched_getaffinity(0)
+    assert cpus_in_use() == sorted(before)
+    rq = RunQueue()
+    rq.begin()
+    time.sleep(0.05)  # asleep: not waiting for a CPU
+    rq.end()
+    # Two busy processes on this thread's one CPU: its turns come only after theirs.
+    cpu = min(before)
+    hogs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(2)]
+    try:
+        for h in hogs:
+            os.sched_setaffinity(h.pid, {cpu})
+        os.sched_setaffinity(0, {cpu})
+        time.sleep(0.05)
+        rq.begin()
+        end = time.monotonic() + 0.3
+        while time.monotonic() < end:
+            pass
+        rq.end()
+    finally:
+        os.sched_setaffinity(0, before)
+        for h in hogs:
+            h.kill()
+            h.wait(10)
+    assert rq.thread_ns[0] < 20e6, rq.thread_ns  # sleeping is not counted
+    assert rq.thread_ns[1] > 50e6, rq.thread_ns  # sharing one CPU with two busy processes is
+    assert rq.process_ns[1] >= rq.thread_ns[1]
+
+
+def test_host_warnings_for_crowded_cpus_and_a_large_delay():
+    from zbpipe.bench.host_load import crowding, warnings_for
+
+    hosts = [{"host": "a", "cpus": [0, 1]}] * 4 + [{"host": "b", "cpus": [0, 1, 2, 3]}]
+    assert crowding(hosts) == [{"host": "a", "ranks": [0, 1, 2, 3], "cpus": 2}, {"host": "b", "ranks": [4], "cpus": 4}]
+    rows = [{"schedule": "1f1b", "ac": False, "gap": 1.12, "runq_ms": 1.5, "runq_rank": 2, "runq_fraction": 0.075},
+            {"schedule": "zbv", "ac": False, "gap": 1.01, "runq_ms": 0.1, "runq_rank": 0, "runq_fraction": 0.005}]
+    said = warnings_for(rows, hosts)
+    assert len(said) == 2, said
+    assert said[0].startswith("warning: 4 ranks share 2 CPU(s) on a:")
+    assert said[1].startswith("warning: in 1 of 2 runs an executor thread waited for a CPU more than 3% of the "
+                              "step (the most: 1f1b, rank 2, 1.50 ms per step, 7.5%)"), said[1]
+    assert warnings_for(rows[1:], hosts[4:]) == []
+
+
+def test_draw_without_matplotlib_fails_before_any_process_starts():
+    """A new user's first run: --draw without matplotlib is one line and exit 2, before the
+    bench spends its minutes (it used to run everything, then die in a traceback)."""
+    import subprocess
+    import sys
+
+    from helpers.subprocess_env import NEUTRAL_CWD, child_env
+
+    code = ("import sys; sys.modules['matplotlib'] = None\n"
+            "import zbpipe.bench.command as c\n"
+            "def refuse(cfg): raise SystemExit('a process was started')\n"
+            "c.launch = refuse\n"
+            "from zbpipe.cli import main; sys.exit(main(['bench', '--pp', '2', '--schedules', '1f1b', "
+            "'--draw', 'x.png']))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=child_env(),
+                          cwd=NEUTRAL_CWD, timeout=120)
+    assert done.returncode == 2, (done.returncode, done.stdout, done.stderr)
+    assert done.stderr.strip() == ("zbpipe bench: error: --draw needs matplotlib (pip install matplotlib); "
+                                   "nothing was run"), done.stderr
+
+
+def _simulated_run(name="zbv", pp=4, m=8):
+    """What the ranks gather for one run, made from a simulation of `name` (no processes)."""
+    import zbpipe
+
+    program = zbpipe.compile(name, pp, m)
+    res = zbpipe.simulate(program, f=1e-3, b=1e-3, w=1e-3, comm=1e-4)
+    key = (name, "zbpipe", False)
+    ranks = [{key: {"last_trace": [], "profile": {}}} for _ in range(pp)]
+    for e in res.timeline:
+        ranks[e.rank][key]["last_trace"].append(
+            {"action": str(e.action), "start_ns": int(e.start * 1e9), "end_ns": int(e.end * 1e9), "wait_ns": 0})
+    for s in range(program.num_stages):
+        ranks[program.stage_to_rank[s]][key]["profile"][s] = {"f": 1e-3, "i": 1e-3, "w": 1e-3, "b": None}
+    row = {"schedule": name, "realized_ms": res.makespan * 1e3, "hop_ms": 0.1, "gap": 1.0}
+    return program, {"ranks": ranks}, key, row
+
+
+def _overlaps(a, b) -> bool:
+    return a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1
+
+
+@pytest.mark.parametrize("pp", [2, 4, 8])
+def test_the_pictures_text_does_not_overlap_and_the_legend_names_both_shades(pp):
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from zbpipe.bench.draw import figure_for_row
+
+    fig = figure_for_row(*_simulated_run("zbv", pp, 2 * pp))
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    top, bottom = fig.axes
+    legend = fig.legends[0]
+    assert not _overlaps(legend.get_window_extent(renderer), bottom.xaxis.get_tightbbox(renderer))  # x label, ticks
+    assert not _overlaps(bottom.title.get_window_extent(renderer), top.xaxis.get_tightbbox(renderer))
+    assert not _overlaps(top.title.get_window_extent(renderer), top.get_window_extent(renderer))
+    fig_box = fig.bbox
+    for artist in (legend, top.title, bottom.xaxis.label):  # inside the picture
+        box = artist.get_window_extent(renderer)
+        assert box.y0 >= fig_box.y0 and box.y1 <= fig_box.y1, artist
+    labels = [t.get_text() for t in legend.get_texts()]
+    assert labels == ["F", "I", "W", "dark: the rank's first stage", "light: its second stage"], labels

@@ -305,3 +305,22 @@ def test_bench_is_listed_and_forwarded(capsys):
     code, _, err = run(capsys, "bench", "--pp", "2", "--i", "0")  # refused before any process starts
     assert code == 2 and err.startswith("zbpipe bench: error: --i: every time must be a positive number")
     assert "Traceback" not in err
+
+
+def test_the_schedule_picture_names_both_shades_of_a_v_and_keeps_its_text_apart():
+    pytest.importorskip("matplotlib")
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    from zbpipe.plot import figure, program_boxes
+
+    for name, shaded in (("zbv", True), ("1f1b", False)):
+        prog = zbpipe.compile(name, 4, 8)
+        boxes, arrows = program_boxes(prog, zbpipe.simulate(prog, comm=0.1), 0.1)
+        fig = figure(boxes, arrows, 4, title=name)
+        renderer = FigureCanvasAgg(fig).get_renderer()
+        legend, ax = fig.legends[0], fig.axes[0]
+        labels = [t.get_text() for t in legend.get_texts()]
+        shades = ["dark: the rank's first stage", "light: its second stage"]
+        assert (labels[-3:-1] == shades) if shaded else not set(shades) & set(labels), (name, labels)
+        a, b = legend.get_window_extent(renderer), ax.xaxis.get_tightbbox(renderer)
+        assert not (a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1), name

@@ -1,7 +1,8 @@
 """The README stays true: its first two commands are the fresh-machine commands CI runs
 (`.ci/run`), its links into docs/ (and the docs' own links, anchors included) resolve, every
-test or benchmark file the docs cite exists, and its example runs on two Gloo processes and
-prints the loss of one process."""
+test or benchmark file the docs (and CHANGELOG.md) cite exists, docs/development.md's layout
+map names every directory, and its example runs on two Gloo processes and prints the loss of
+one process."""
 
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ def _repo_root() -> Path:
 
 ROOT = _repo_root()
 README = ROOT / "README.md"
+CHANGELOG = ROOT / "CHANGELOG.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
 # Files of other projects the docs name (PyTorch's pipelining tests, ported in test_torch_ports.py).
@@ -65,7 +67,7 @@ def _anchors(path: Path) -> set[str]:
     return {_slug(m.group(1)) for m in re.finditer(r"^#+ +(.+)$", text, re.M)}
 
 
-@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: p.name)
+@pytest.mark.parametrize("page", [README, CHANGELOG, *DOCS], ids=lambda p: p.name)
 def test_links_resolve(page):
     text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)
     broken = []
@@ -89,7 +91,7 @@ def test_readme_links_every_docs_page():
 def test_cited_tests_and_benchmarks_exist():
     names = {p.name for d in ("tests", "benchmarks") for p in (ROOT / d).rglob("*") if p.is_file()}
     missing = []
-    for page in (README, *DOCS):
+    for page in (README, CHANGELOG, *DOCS):
         text = page.read_text()
         for name in set(re.findall(r"\b((?:test|bench)_\w+\.py|nccl_model\w*\.py|gpu_check\.sh)\b", text)):
             if name not in names and name not in FOREIGN:
@@ -98,6 +100,23 @@ def test_cited_tests_and_benchmarks_exist():
             if not (ROOT / path).exists():
                 missing.append(f"{page.name}: {path}")
     assert not missing, missing
+
+
+def test_the_development_layout_names_every_directory_and_only_paths_that_exist():
+    """docs/development.md's layout map: each path in its first column exists, and it names
+    every package of zbpipe/ and every tracked top-level directory."""
+    text = (ROOT / "docs" / "development.md").read_text().split("\n## Layout", 1)[1].split("\n## ", 1)[0]
+    column = [line[4:38] for line in text.splitlines() if line.startswith("    ") and line[4:5].strip()]
+    named = {tok.rstrip("/") for entry in column for tok in entry.split() if tok != "+"}
+    assert [p for p in named if not list(ROOT.glob(p))] == [], named
+    packages = {f"zbpipe/{p.parent.name}" for p in (ROOT / "zbpipe").glob("*/__init__.py")}
+    assert packages and packages <= named, packages - named
+    try:
+        tracked = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True, text=True, check=True)
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout: the tracked directories are unknown")
+    top = {f.split("/")[0] for f in tracked.stdout.splitlines() if "/" in f}
+    assert [d for d in top if not any(n == d or n.startswith(d + "/") for n in named)] == [], (top, named)
 
 
 def _readme_example() -> str:

@@ -83,6 +83,16 @@ def config_from_args(ns: argparse.Namespace) -> BenchConfig:
                        device=ns.device, ac=ns.ac, budget=ns.budget, timeout_s=ns.timeout).check()
 
 
+def check_optional(ns: argparse.Namespace) -> None:
+    """BenchError, before any process starts, for an option whose optional dependency is
+    missing (--draw: matplotlib), rather than a traceback after the whole run."""
+    if ns.draw:
+        try:
+            import matplotlib  # noqa: F401
+        except ImportError:
+            raise BenchError("--draw needs matplotlib (pip install matplotlib); nothing was run") from None
+
+
 def measure(cfg: BenchConfig) -> dict | None:
     """Checks `cfg` (BenchError before any process starts), runs it, and returns {"hop",
     "rows", "gathered"} (None on torchrun's ranks other than 0)."""
@@ -92,7 +102,8 @@ def measure(cfg: BenchConfig) -> dict | None:
     gathered = launch(cfg)
     if gathered is None:
         return None
-    return {"hop": gathered["hop"], "rows": rows(cfg, gathered), "gathered": gathered}
+    return {"hop": gathered["hop"], "rows": rows(cfg, gathered), "gathered": gathered,
+            "timeouts": gathered.get("timeouts"), "hosts": gathered.get("hosts")}
 
 
 def run(**options) -> list[dict] | None:
@@ -138,6 +149,7 @@ def main(argv: list[str] | None = None, out=None) -> int:
         except SystemExit as exc:  # --help
             return int(exc.code or 0)
         cfg = config_from_args(ns)
+        check_optional(ns)
         result = measure(cfg)
     except BenchError as exc:
         print(f"zbpipe bench: error: {exc}", file=sys.stderr)

@@ -123,6 +123,17 @@ class BenchConfig:
             if n > layers:
                 raise BenchError(f"--model trainer has {layers} blocks: {name} needs {n} stages at pp={self.pp}")
 
+    @property
+    def group_timeout_s(self) -> float:
+        """The process group's own timeout (NCCL's watchdog ends the process past it)."""
+        return min(300.0, self.timeout_s / 3)
+
+    @property
+    def schedule_timeout_s(self) -> float:
+        """Every wait of a step: below the group's own timeout, so zbpipe raises its error
+        (naming the rank and action) before NCCL's watchdog ends the process."""
+        return 0.75 * self.group_timeout_s
+
     def stage_costs(self, num_stages: int) -> dict[str, list[float]]:
         """Per schedule stage (ms): each 1F1B stage's costs split evenly over its k stages."""
         k = num_stages // self.pp

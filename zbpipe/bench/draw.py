@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from .. import _C
-from ..plot import COLORS, Box, _lighter, program_boxes
+from ..plot import COLORS, Box, _lighter, legend_handles, program_boxes
 from ..programs import simulate
 from ..stage_costs import compile_costs
 from ..timeline_text import chunk_of
@@ -42,10 +42,16 @@ def _panel(ax, boxes: list[Box], pp: int, end: float, title: str) -> None:
     ax.set_title(title, fontsize=9)
 
 
-def draw_row(path: str, program: _C.Program, gathered: dict, key, row: dict) -> None:
-    """Writes the two panels of one (schedule, zbpipe, AC) run to `path`."""
+# Layout in pixels (100 dpi), so that no text lands on another at any pp: from the top, the
+# upper panel's title, the panel, its tick labels and the lower panel's title, the lower panel,
+# its tick labels and axis label, then the legend.
+_TITLE_PX, _BETWEEN_PX, _BELOW_PX, _LEGEND_PX = 26, 50, 44, 30
+_WIDTH_PX, _LEFT, _RIGHT = 1600, 0.06, 0.98
+
+
+def figure_for_row(program: _C.Program, gathered: dict, key, row: dict):
+    """The two panels of one (schedule, zbpipe, AC) run: a matplotlib Figure (100 dpi)."""
     from matplotlib.figure import Figure
-    from matplotlib.patches import Patch
 
     traces = {rank: r[key]["last_trace"] for rank, r in enumerate(gathered["ranks"]) if "last_trace" in r.get(key, {})}
     realized = _realized_boxes(program, traces)
@@ -60,17 +66,27 @@ def draw_row(path: str, program: _C.Program, gathered: dict, key, row: dict) -> 
         b.start, b.end = b.start * 1e3, b.end * 1e3
     end = max([b.end for b in realized + simulated] + [1e-9])
     pp = program.pp
-    fig = Figure(figsize=(16, 2 + 0.5 * pp), dpi=100)
-    top, bottom = fig.add_axes((0.06, 0.56, 0.92, 0.36)), fig.add_axes((0.06, 0.12, 0.92, 0.36))
+    panel = max(70, 32 * pp)
+    height = _TITLE_PX + panel + _BETWEEN_PX + panel + _BELOW_PX + _LEGEND_PX
+    fig = Figure(figsize=(_WIDTH_PX / 100, height / 100), dpi=100)
+    lower_y = (_BELOW_PX + _LEGEND_PX) / height
+    upper_y = lower_y + (panel + _BETWEEN_PX) / height
+    top = fig.add_axes((_LEFT, upper_y, _RIGHT - _LEFT, panel / height))
+    bottom = fig.add_axes((_LEFT, lower_y, _RIGHT - _LEFT, panel / height))
     _panel(top, realized, pp, end, f"{row['schedule']}: realized step (last timed step, host clock), "
                                    f"{row['realized_ms']:.1f} ms")
     _panel(bottom, simulated, pp, end, f"simulated under the measured costs, {res.makespan * 1e3:.1f} ms "
                                        f"(gap {row['gap']:.3f})" if row.get("gap") else "simulated")
-    bottom.set_xlabel("time (ms)")
-    kinds = sorted({b.kind for b in realized + simulated}, key=lambda k: list(COLORS).index(k) if k in COLORS else 99)
-    fig.legend(handles=[Patch(color=COLORS.get(k, "#999999"), label=k) for k in kinds], loc="lower center",
-               ncol=len(kinds), fontsize=8, frameon=False)
-    fig.savefig(path, dpi=100)
+    bottom.set_xlabel("time (ms)", fontsize=8)
+    handles = legend_handles(realized + simulated)
+    fig.legend(handles=handles, loc="lower center", bbox_to_anchor=(0.5, 0.0), ncol=len(handles),
+               fontsize=8, frameon=False)
+    return fig
+
+
+def draw_row(path: str, program: _C.Program, gathered: dict, key, row: dict) -> None:
+    """Writes the two panels of one (schedule, zbpipe, AC) run to `path`."""
+    figure_for_row(program, gathered, key, row).savefig(path, dpi=100)
 
 
 def paths_for(path: str, names: list[str]) -> dict[str, str]:

@@ -28,7 +28,7 @@ def _torchrun(env: torchrun.TorchrunEnv, cfg: BenchConfig) -> dict | None:
         torchrun.rank_device(env, cfg.device)  # before joining: a clear error, not a hang
     except ValueError as e:
         raise BenchError(str(e)) from None
-    device = torchrun.init_process_group(env, cfg.device, timeout_s=cfg.timeout_s / 3)
+    device = torchrun.init_process_group(env, cfg.device, timeout_s=cfg.group_timeout_s)
     try:
         gathered = bench_rank(env.rank, env.world_size, cfg, device)
     finally:
@@ -50,4 +50,4 @@ def launch(cfg: BenchConfig) -> dict | None:
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: torch.cuda.is_available() is False")
     return run_local(_local_rank_main, cfg.pp, (cfg,), device=cfg.device, timeout_s=cfg.timeout_s,
-                     pg_timeout_s=min(300.0, cfg.timeout_s / 3))[0]
+                     pg_timeout_s=cfg.group_timeout_s)[0]

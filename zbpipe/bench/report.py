@@ -5,8 +5,12 @@ simulation under the nominal costs and under the costs the run's own trace measu
 mean F, I, W, B host times, receive waits excluded; device times on CUDA), both with the
 measured hop latency (inside the steps: a waiting action's wait end less the end of its
 producer on the other rank, median; across hosts, whose clocks differ, the ping-pong's one-way
-time); the realization gap (realized / measured-cost simulation); zbpipe/torch; host time per
-action; peak saved-activation bytes measured against the simulator's prediction.
+time); the realization gap (realized / measured-cost simulation); beside it the run-queue
+delay (host_load.py: how long the rank's executor thread waited for a CPU per step, the
+largest over ranks, and its share of the realized step); zbpipe/torch; host time per action;
+peak saved-activation bytes measured against the simulator's prediction. Warnings follow the
+table where the ranks outnumber a host's CPUs or a run's delay exceeds a few percent of its
+step: its gap is then partly the host's.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ from ..stage_costs import compile_costs
 import re
 
 from .config import AUTO, BenchConfig
+from .host_load import crowding, warnings_for
 from .stages import nominal_costs
 
 _ONE = re.compile(r"^(\d+)([FBIW])(\d+)$")  # one compute action (not an OVERLAP_F_B pair)
-COLUMNS = ("schedule", "ac", "realized_ms", "sim_nominal_ms", "sim_measured_ms", "gap", "torch_ms",
-           "zbpipe_over_torch", "host_us_per_action", "saved_peak_bytes", "saved_predicted_bytes")
+COLUMNS = ("schedule", "ac", "realized_ms", "sim_nominal_ms", "sim_measured_ms", "gap", "runq_ms", "runq_fraction",
+           "torch_ms", "zbpipe_over_torch", "host_us_per_action", "saved_peak_bytes", "saved_predicted_bytes")
 
 
 def _realized(ranks: list[dict], key) -> float | None:
@@ -95,6 +100,22 @@ def _nominal(cfg: BenchConfig, program: _C.Program, ac: bool, comm_s: float) -> 
     return res.makespan, predicted
 
 
+def _run_queue(ranks: list[dict], key) -> dict:
+    """The largest per-rank median run-queue delay per timed step (ms): of the executor
+    thread ("runq_ms", with its rank) and of the whole process ("runq_process_ms")."""
+    out: dict = {"runq_ms": None, "runq_rank": None, "runq_process_ms": None}
+    thread = {i: statistics.median(r[key]["runq_thread_ns"]) / 1e6 for i, r in enumerate(ranks)
+              if key in r and r[key].get("runq_thread_ns")}
+    process = [statistics.median(r[key]["runq_process_ns"]) / 1e6 for r in ranks
+               if key in r and r[key].get("runq_process_ns")]
+    if thread:
+        out["runq_rank"] = max(thread, key=thread.get)
+        out["runq_ms"] = thread[out["runq_rank"]]
+    if process:
+        out["runq_process_ms"] = max(process)
+    return out
+
+
 def _ratio(a, b) -> float | None:
     return a / b if a is not None and b else None
 
@@ -130,6 +151,8 @@ def rows(cfg: BenchConfig, gathered: dict) -> list[dict]:
             row["sim_nominal_ms"] = nominal * 1e3 if nominal is not None else None
             row["sim_measured_ms"] = measured * 1e3 if measured is not None else None
             row["gap"] = _ratio(realized, measured)
+            row.update(_run_queue(ranks, zk))
+            row["runq_fraction"] = _ratio(row["runq_ms"], row["realized_ms"])
             row["zbpipe_over_torch"] = _ratio(realized, torch_s)
             hosts = [r[zk]["host_per_action_s"] for r in ranks if zk in r and r[zk].get("host_per_action_s") is not None]
             row["host_us_per_action"] = statistics.fmean(hosts) * 1e6 if hosts else None
@@ -174,24 +197,41 @@ def _cell(v, fmt: str) -> str:
     return format(v, fmt)
 
 
+def _hosts_line(hosts: list[dict] | None) -> str:
+    if not hosts:
+        return "host: n/a"
+    return "host: " + "; ".join(f"{len(h['ranks'])} rank(s) on {h['cpus']} CPU(s) of {h['host']}"
+                                for h in crowding(hosts))
+
+
+def _runq_cell(r: dict) -> str:
+    if r.get("runq_ms") is None:
+        return "n/a"
+    return f"{r['runq_ms']:.2f} ({_cell(r.get('runq_fraction'), '.1%')})"
+
+
 def table(cfg: BenchConfig, result: dict) -> str:
-    """The rows as a Markdown table, the hop line and ScheduleAuto's lines."""
+    """The rows as a Markdown table, the hop and host lines, the host warnings and
+    ScheduleAuto's lines."""
     hop = result["hop"]
     costs = (f" F/I/W ms per 1F1B stage {cfg.f}/{cfg.i}/{cfg.w} act {cfg.act} B" if cfg.model == "emulated" else "")
     lines = [f"pp={cfg.pp} microbatches={cfg.microbatches} model={cfg.model} device={cfg.device}{costs} reps={cfg.reps}",
              f"hop at {cfg.act} B: {hop['hop_s'] * 1e3:.3f} ms one-way, {hop['bandwidth_Bps'] / 1e9:.3f} GB/s; "
-             f"latency (4 B) {hop['latency_s'] * 1e6:.1f} us", "",
-             "| schedule | AC | realized ms | sim nominal ms | sim measured ms | gap | torch ms | zbpipe/torch "
-             "| host us/action | saved peak B (measured / predicted) |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"latency (4 B) {hop['latency_s'] * 1e6:.1f} us",
+             _hosts_line(result.get("hosts")) + "; run-queue: the most any rank's executor thread waited for a "
+             "CPU per step (ms, share of the step)", "",
+             "| schedule | AC | realized ms | sim nominal ms | sim measured ms | gap | run-queue ms | torch ms "
+             "| zbpipe/torch | host us/action | saved peak B (measured / predicted) |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result["rows"]:
         name = r["schedule"] + (f" ({r['auto']['choice']})" if "auto" in r else "")
         lines.append(
             f"| {name} | {'on' if r['ac'] else 'off'} | {_cell(r['realized_ms'], '.1f')} "
             f"| {_cell(r['sim_nominal_ms'], '.1f')} | {_cell(r['sim_measured_ms'], '.1f')} | {_cell(r['gap'], '.3f')} "
-            f"| {_cell(r['torch_ms'], '.1f')} | {_cell(r['zbpipe_over_torch'], '.3f')} "
+            f"| {_runq_cell(r)} | {_cell(r['torch_ms'], '.1f')} | {_cell(r['zbpipe_over_torch'], '.3f')} "
             f"| {_cell(r['host_us_per_action'], '.0f')} "
             f"| {_cell(r['saved_peak_bytes'], '.0f')} / {_cell(r['saved_predicted_bytes'], '.0f')} |")
+    lines += warnings_for(result["rows"], result.get("hosts") or [])
     for r in result["rows"]:
         for note in ("note", "torch_note"):
             if note in r:
@@ -207,6 +247,8 @@ def table(cfg: BenchConfig, result: dict) -> str:
 def write_json(path: str, cfg: BenchConfig, result: dict) -> None:
     doc = {"config": {k: getattr(cfg, k) for k in ("pp", "microbatches", "schedules", "f", "i", "w", "act", "model",
                                                   "libs", "reps", "warmup", "device", "ac", "budget")},
-           "hop": result["hop"], "rows": result["rows"]}
+           "hop": result["hop"], "rows": result["rows"], "timeouts": result.get("timeouts"),
+           "hosts": crowding(result.get("hosts") or []),
+           "warnings": warnings_for(result["rows"], result.get("hosts") or [])}
     with open(path, "w") as f:
         json.dump(doc, f, indent=1, default=str)

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import os
 import re
-import socket
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
+from ..group_timeout import group_timeout_s
 from ..measurements import hop_s, sync_device
 from ..stage_costs import _COMPUTE, _took_s
 from .config import AUTO, BenchConfig, torch_has
 from .emulated import SavedBytes
+from .host_load import RunQueue, host_info
 from .stages import Workload, nominal_costs
 
 _PARTS = re.compile(r"(\d+)([FBIW])(\d+)")
@@ -72,6 +73,7 @@ class Run:
         self.last_start_ns = 0
         self.edges: list[tuple[float, float]] = []  # per timed step: (first record's start, after the last record's end), s
         self.saved_peak = 0
+        self.runq = RunQueue()  # per timed step: how long this rank's threads waited for a CPU
         pp, m = cfg.pp, cfg.microbatches
         placement = "1f1b" if schedule == AUTO else schedule
         program = zbpipe.compile(placement, pp, m)
@@ -79,7 +81,7 @@ class Run:
         kwargs = {}
         if lib == "zbpipe":
             # Static shapes: torch's stages are declared with their shapes too (io_examples).
-            kwargs = {"timeout": cfg.timeout_s / 3, "device_timing": device.type != "cpu", "static_shapes": True}
+            kwargs = {"timeout": cfg.schedule_timeout_s, "device_timing": device.type != "cpu", "static_shapes": True}
             if "f" in zbpipe.schedule_options(placement) and cfg.model == "emulated":
                 # Cost-driven schedules plan under the nominal costs of this run, AC's recompute included.
                 costs = nominal_costs(cfg, program.num_stages, ac)
@@ -107,6 +109,8 @@ class Run:
         extra = {"return_outputs": False} if self.lib == "zbpipe" else {}
         dist.barrier()
         sync_device(self.device)
+        if timed:
+            self.runq.begin()
         start_ns = time.monotonic_ns()  # the trace's clock
         t0 = time.perf_counter()
         if saved:
@@ -119,6 +123,7 @@ class Run:
         wall = time.perf_counter() - t0
         end_ns = time.monotonic_ns()
         if timed:
+            self.runq.end()
             self.walls.append(wall)
             if self.lib == "zbpipe":
                 trace = self.sched.trace()
@@ -155,7 +160,8 @@ class Run:
 
     def summary(self) -> dict:
         """What rank 0 needs of this rank: wall times, per-stage costs, host time, peaks."""
-        out = {"walls": self.walls, "saved_peak": self.saved_peak, "local": self.local}
+        out = {"walls": self.walls, "saved_peak": self.saved_peak, "local": self.local,
+               "runq_thread_ns": self.runq.thread_ns, "runq_process_ns": self.runq.process_ns}
         if self.lib == "zbpipe":
             records = [r for t in self.traces for r in t if not r.get("worker")]
             out["profile"] = mean_costs(records)
@@ -256,6 +262,9 @@ def bench_rank(rank: int, world: int, cfg: BenchConfig, device: torch.device) ->
     dist.all_gather_object(every, mine)
     programs = {key: run.program.to_csv_text() for key, run in runs.items()}
     hosts: list = [None] * world
-    dist.all_gather_object(hosts, socket.gethostname())
+    dist.all_gather_object(hosts, host_info())
+    own = group_timeout_s(dist.group.WORLD, device)
     return {"hop": hop, "ranks": every, "programs": programs, "skipped": skipped, "world": world,
-            "one_host": len(set(hosts)) == 1}
+            "one_host": len({h["host"] for h in hosts}) == 1, "hosts": hosts,
+            # zbpipe's wait bound and the group's own (NCCL's watchdog): the first must be below.
+            "timeouts": {"schedule_s": cfg.schedule_timeout_s, "group_s": own[1] if own else None}}

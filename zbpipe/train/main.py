@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--partition", default="even", choices=("even", "auto"),
                    help="the split into stages: even blocks per stage, or planned by zbpipe.plan_partition "
                    "from measured per-block costs (docs/partition.md)")
+    p.add_argument("--vocab-parallel", action="store_true",
+                   help="split the LM head and its loss over every pipeline rank (zbpipe.VocabParallelOutput; "
+                   "docs/vocab_parallel.md); with --partition auto the layers are planned around it")
+    p.add_argument("--vocab", type=int, default=16, help="vocabulary size of the model and the task")
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint DIR, at any --pp/--dp/--schedule, "
                    "up to --steps in all")
@@ -93,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _config(opts: dict[str, Any], num_stages: int) -> TinyConfig:
-    return TinyConfig(n_layers=opts["layers"] or max(4, num_stages))
+    return TinyConfig(n_layers=opts["layers"] or max(4, num_stages), vocab=opts.get("vocab", 16))
 
 
 def _optimizer(opts: dict[str, Any], params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -136,22 +140,32 @@ def _worker(rank: int, world: int, opts: dict[str, Any], device: torch.device | 
     num_stages = program.num_stages
     cfg = _config(opts, num_stages)
     task = MarkovTask(cfg.vocab, cfg.seq_len, opts["seed"])
+    vocab = opts.get("vocab_parallel", False)
     if opts.get("stage_fqns"):  # --partition auto: the plan's split
-        modules = zbpipe.split_by_fqn(build_model(cfg, opts["seed"]), opts["stage_fqns"])
+        model = build_model(cfg, opts["seed"])
+        if vocab:
+            model.head = None  # split over the ranks below
+        modules = zbpipe.split_by_fqn(model, opts["stage_fqns"])
     else:
-        modules = build_stages(cfg, num_stages, opts["seed"])
+        modules = build_stages(cfg, num_stages, opts["seed"], head=not vocab)
     local = local_stages(program, rank % pp)
     mine = [modules[s].to(device) for s in local]
     optims = _stage_optimizers(opts, mine)
+    output = None
+    if vocab:  # this rank's rows of the head, from the same seed's model
+        output = zbpipe.VocabParallelOutput(build_model(cfg, opts["seed"]).head.to(device), group=group,
+                                            data_parallel_group=dp_group)
+        optims.append(_optimizer(opts, list(output.parameters())))
     start = checkpoint.load(opts["resume_from"], mine, optims) if opts["resume_from"] else 0
     meter = SavedActivationMeter({s: modules[s] for s in local})
     share = opts["batch_size"] // dp
     mb = share // opts["microbatches"]
     wrap = (lambda m: DistributedDataParallel(m, process_group=dp_group)) if dp > 1 else None
     sched, _ = build_pipeline(
-        opts["lib"], program, modules, rank % pp, device, lm_loss,
-        group=group, io_examples=lambda s: stage_io_examples(cfg, s, num_stages, mb, device), wrap=wrap,
-        schedule_cls=zbpipe.ScheduleAuto if opts["schedule"] == "auto" else None,
+        opts["lib"], program, modules, rank % pp, device, None if vocab else lm_loss,
+        group=group, io_examples=lambda s: stage_io_examples(cfg, s, num_stages, mb, device, head=not vocab),
+        wrap=wrap, schedule_cls=zbpipe.ScheduleAuto if opts["schedule"] == "auto" else None,
+        schedule_kwargs=dict(output=output, compile_options=opts.get("compile_options")) if vocab else None,
     )
     first, last = 0 in local, num_stages - 1 in local
     logs = last and replica == 0
@@ -168,9 +182,9 @@ def _worker(rank: int, world: int, opts: dict[str, Any], device: torch.device | 
         for optim in optims:
             optim.zero_grad(set_to_none=True)
         losses: list[torch.Tensor] = []
-        sched.step(*((x,) if first else ()), target=y if last else None, losses=losses if last else None)
-        if opts["max_norm"]:
-            zbpipe.clip_grad_norm_(mine, opts["max_norm"], group=group)
+        sched.step(*((x,) if first else ()), target=y if last or vocab else None, losses=losses if last else None)
+        if opts["max_norm"]:  # the head's rows are this rank's too: disjoint shards, one norm
+            zbpipe.clip_grad_norm_(mine + ([output] if vocab else []), opts["max_norm"], group=group)
         for optim in optims:
             optim.step()
         if opts["schedule"] == "auto" and logs and sched.tuning is not None and not tuned:
@@ -291,6 +305,15 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace,
     if a.partition == "auto" and a.stages_per_rank not in (None, program.num_stages // a.pp) \
             or a.partition == "auto" and program.num_stages // a.pp > 2:
         p.error("--partition auto plans one or two stages per rank (the schedule's default --stages-per-rank)")
+    if a.vocab < 2:
+        p.error(f"--vocab ({a.vocab}) must be >= 2")
+    if a.vocab_parallel:
+        if a.lib != "zbpipe" or a.schedule == "auto":
+            p.error("--vocab-parallel needs --lib zbpipe and a fixed --schedule")
+        if a.checkpoint or a.resume:
+            p.error("--vocab-parallel does not save or resume checkpoints yet")
+        if a.vocab < a.pp:
+            p.error(f"--vocab-parallel: the vocabulary ({a.vocab}) must have at least one row per rank (--pp {a.pp})")
     if a.max_norm is not None and not a.max_norm > 0:
         p.error(f"--max-norm ({a.max_norm}) must be > 0")
     a.resume_from = None
@@ -310,27 +333,32 @@ def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace,
 
 
 def _planned_split(a: argparse.Namespace, cfg: TinyConfig, task: MarkovTask,
-                   program: zbpipe.Program, show: bool = True) -> list[list[str]]:
+                   program: zbpipe.Program, show: bool = True) -> tuple[list[list[str]], dict]:
     """--partition auto: the plan for the chosen schedule, measured on one microbatch of the
     first batch (on the CPU): here before any rank starts, or under torchrun on every rank of the
     joined world, which gather one plan; so every rank gets the same split.
     TinyTransformer's forward needs a block in every stage and the embeddings (and the final
     norm and head) together, so the embeddings ride with the first block and the head with the
-    last: units are [tok_emb, pos_emb, blocks.0], blocks.1 .. blocks.(n-2), [blocks.(n-1), ln_f, head]."""
+    last: units are [tok_emb, pos_emb, blocks.0], blocks.1 .. blocks.(n-2), [blocks.(n-1), ln_f, head].
+    With --vocab-parallel the head is a unit of its own, split over the ranks (plan_partition's
+    vocab_parallel). Returns the split and the program's compile options."""
     n = cfg.n_layers
+    tail = [f"blocks.{n - 1}", "ln_f"] + ([] if a.vocab_parallel else ["head"])
     units: list = [["tok_emb", "pos_emb", "blocks.0"]] + [f"blocks.{k}" for k in range(1, n - 1)]
-    units += [[f"blocks.{n - 1}", "ln_f", "head"]] if n > 1 else []
+    units += [tail] if n > 1 else []
     if n == 1:
-        units = [["tok_emb", "pos_emb", "blocks.0", "ln_f", "head"]]
+        units = [["tok_emb", "pos_emb", "blocks.0", "ln_f"] + ([] if a.vocab_parallel else ["head"])]
+    if a.vocab_parallel:
+        units.append("head")
     x, y = task.batch(0, a.batch_size)
     mb = a.batch_size // (a.microbatches * a.dp)
     torch.set_num_threads(1)  # as each rank runs
     plan = zbpipe.plan_partition(build_model(cfg, a.seed), (x[:mb],), pp=a.pp, microbatches=a.microbatches,
                                  loss_fn=lm_loss, mb_target=y[:mb], units=units, schedules=[program.schedule],
-                                 device="cpu")
+                                 device="cpu", vocab_parallel=a.vocab_parallel, head="head" if a.vocab_parallel else None)
     if show:
         print(plan.table(), flush=True)
-    return plan.module_fqns_per_stage
+    return plan.module_fqns_per_stage, plan.compile_options()
 
 
 def _compare(a: argparse.Namespace, opts: dict[str, Any], cfg: TinyConfig, program: zbpipe.Program,
@@ -365,8 +393,8 @@ def _run_joined(env: torchrun.TorchrunEnv, a: argparse.Namespace, opts: dict[str
           f"{env.local_rank}, {device}, master {env.master_addr}:{env.master_port})", flush=True)
     try:
         if a.partition == "auto":  # planned in the joined world: the ranks gather one plan
-            opts["stage_fqns"] = _planned_split(a, cfg, MarkovTask(cfg.vocab, cfg.seq_len, a.seed), program,
-                                                show=env.rank == 0)
+            opts["stage_fqns"], opts["compile_options"] = _planned_split(
+                a, cfg, MarkovTask(cfg.vocab, cfg.seq_len, a.seed), program, show=env.rank == 0)
         peak = [peak_flops(a.device) if env.rank == 0 else None]  # one measure, every rank's MFU
         dist.broadcast_object_list(peak, src=0)
         opts["peak_flops"], opts["peak_source"] = peak[0]
@@ -408,10 +436,13 @@ def main(argv: list[str] | None = None) -> int:
         return _run_joined(joined, a, opts, cfg, program)
     opts["peak_flops"], opts["peak_source"] = peak_flops(a.device)
     if a.partition == "auto":
-        opts["stage_fqns"] = _planned_split(a, cfg, task, program)
+        opts["stage_fqns"], opts["compile_options"] = _planned_split(a, cfg, task, program)
     t0 = time.perf_counter()
     try:
-        results = run_local(_worker, a.pp * a.dp, (opts,), device=a.device, timeout_s=a.timeout)
+        # The group's own timeout is the run's limit, as under torchrun: above the schedule's
+        # (300 s), so NCCL's watchdog does not end a rank before zbpipe names the failure.
+        results = run_local(_worker, a.pp * a.dp, (opts,), device=a.device, timeout_s=a.timeout,
+                            pg_timeout_s=a.timeout)
     except KeyboardInterrupt:
         print("interrupted: all ranks stopped", file=sys.stderr)
         return 130

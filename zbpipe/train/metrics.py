@@ -78,7 +78,7 @@ class SavedActivationMeter:
     one forward saves per stage (the bytes of one (stage, microbatch) pair) and the peak held
     at once. A pack hook keeps each saved tensor in a holder whose release (autograd frees the
     saved tensors at the microbatch's last backward) subtracts its storage; a storage saved
-    several times counts once; parameters and meta tensors (shape inference) do not count."""
+    several times counts once; parameters do not count (shape inference runs under no_grad)."""
 
     def __init__(self, modules: dict[int, nn.Module]):
         self._lock = threading.Lock()

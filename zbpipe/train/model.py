@@ -93,10 +93,12 @@ class TinyTransformer(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tok_emb is not None:
             x = self.tok_emb(x) + self.pos_emb.weight[: x.shape[1]]
-        for block in self.blocks:
+        for block in self.blocks if self.blocks is not None else []:  # a stage may hold the head alone
             x = block(x)
+        if self.ln_f is not None:  # the last stage (with or without the head: see vocab_parallel)
+            x = self.ln_f(x)
         if self.head is not None:
-            x = self.head(self.ln_f(x))
+            x = self.head(x)
         return x
 
 
@@ -111,15 +113,16 @@ def blocks_per_stage(n_layers: int, num_stages: int) -> list[int]:
     return [base + (1 if s < extra else 0) for s in range(num_stages)]
 
 
-def stage_module_names(cfg: TinyConfig, num_stages: int) -> list[list[str]]:
+def stage_module_names(cfg: TinyConfig, num_stages: int, head: bool = True) -> list[list[str]]:
     """What each stage keeps of TinyTransformer: the embeddings go to the first, the final norm
-    and head to the last, the blocks are spread as blocks_per_stage says."""
+    and head to the last (head=False: the norm only, the head being split over the ranks by
+    zbpipe.VocabParallelOutput), the blocks are spread as blocks_per_stage says."""
     names, first = [], 0
     for s, n in enumerate(blocks_per_stage(cfg.n_layers, num_stages)):
         names.append([f"blocks.{i}" for i in range(first, first + n)])
         first += n
     names[0][:0] = ["tok_emb", "pos_emb"]
-    names[-1] += ["ln_f", "head"]
+    names[-1] += ["ln_f", "head"] if head else ["ln_f"]
     return names
 
 
@@ -129,13 +132,18 @@ def build_model(cfg: TinyConfig, seed: int) -> TinyTransformer:
     return TinyTransformer(cfg)
 
 
-def build_stages(cfg: TinyConfig, num_stages: int, seed: int) -> list[nn.Module]:
-    """All `num_stages` stage modules of the model built from `seed`, with its parameter names."""
-    return split_by_fqn(build_model(cfg, seed), stage_module_names(cfg, num_stages))
+def build_stages(cfg: TinyConfig, num_stages: int, seed: int, head: bool = True) -> list[nn.Module]:
+    """All `num_stages` stage modules of the model built from `seed`, with its parameter names
+    (head=False: without the LM head)."""
+    model = build_model(cfg, seed)
+    if not head:
+        model.head = None
+    return split_by_fqn(model, stage_module_names(cfg, num_stages, head))
 
 
 def stage_io_examples(
-    cfg: TinyConfig, stage_index: int, num_stages: int, microbatch_size: int, device: torch.device
+    cfg: TinyConfig, stage_index: int, num_stages: int, microbatch_size: int, device: torch.device,
+    head: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Example (input, output) of one microbatch for a stage, for static shape declaration.
     Float tensors require grad: torch.distributed.pipelining reads that flag as "this tensor
@@ -145,7 +153,7 @@ def stage_io_examples(
         x = torch.zeros(b, t, dtype=torch.long, device=device)
     else:
         x = torch.empty(b, t, d, device=device, requires_grad=True)
-    out_dim = cfg.vocab if stage_index == num_stages - 1 else d
+    out_dim = cfg.vocab if stage_index == num_stages - 1 and head else d
     return x, torch.empty(b, t, out_dim, device=device, requires_grad=True)
 
 

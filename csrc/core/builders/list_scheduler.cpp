@@ -649,6 +649,11 @@ class ListScheduler {
       case Kind::SEND_B:
       case Kind::RECV_B:
       case Kind::OVERLAP_F_B:
+      case Kind::S:  // vocabulary actions come after lowering (insert_vocab)
+      case Kind::T:
+      case Kind::BCAST_F:
+      case Kind::ALLREDUCE_S:
+      case Kind::REDUCE_B:
         ZB_CHECK(false, "list scheduler chose '", kind_name(ch.kind), "'");
     }
     order_[r].emplace_back(ch.stage, ch.kind, ch.mb);

@@ -14,6 +14,7 @@
 #include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
+#include "zbpipe/vocab.h"
 #include "zbpipe/refine.h"
 
 namespace zbpipe {
@@ -367,6 +368,8 @@ Program refine_order(const Program& compute_only, const CostModel& costs,
                      const RefineOptions& options) {
   ZB_SCHEDULE_CHECK(!compute_only.has_comms(), "refine_order expects a compute-only program, but '",
                     compute_only.schedule, "' has communication actions");
+  ZB_SCHEDULE_CHECK(!has_vocab(compute_only), "refine_order does not reorder vocabulary-parallel programs ('",
+                    compute_only.schedule, "'): refine the program without them, then compile with vocab_parallel");
   ZB_SCHEDULE_CHECK(static_cast<int>(cap.size()) == compute_only.pp, "refine_order: cap needs one "
                     "value per rank (", compute_only.pp, "), got ", cap.size());
   costs.check(compute_only.num_stages, compute_only.microbatches, compute_only.pp);

@@ -1,11 +1,13 @@
 // Validation pass: structure, exactly-once compute, local ordering, SEND/RECV matching and a
 // blocking-receive execution. Every failure names the rule and shows the marked grid.
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <unordered_map>
 #include <vector>
 
 #include "action_table.h"
+#include "vocab_rules.h"
 #include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
@@ -91,7 +93,11 @@ Positions place_actions(const Program& p) {
       for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
         if (!pos.in_range(s->stage, s->microbatch))
           fail(p, r, i, detail::str("'", to_string(*s), "' is out of range"));
-        if (p.rank_of(s->stage) != r)
+        if (is_vocab(s->kind)) {  // its leading number is the shard, the rank that runs it
+          if (s->stage != r || a.kind == Kind::OVERLAP_F_B)
+            fail(p, r, i, detail::str("'", to_string(*s), "' runs on rank ", r, a.kind == Kind::OVERLAP_F_B
+                                      ? " inside an OVERLAP_F_B" : " but names vocabulary shard " + std::to_string(s->stage)));
+        } else if (p.rank_of(s->stage) != r)
           fail(p, r, i, detail::str("'", to_string(*s), "' runs on rank ", r, " but stage ",
                                     s->stage, " lives on rank ", p.rank_of(s->stage)));
         if (is_comm(s->kind) && !comm_is_legal(p, *s))
@@ -202,15 +208,21 @@ void check_message_order(const Program& p) {
 }
 
 // Whether `a` may run in a blocking-receive run once the actions marked in `done` have: a RECV
-// waits for its SEND, a compute for its inputs.
-bool can_run(const Program& p, const ActionTable<uint8_t>& done, const Action& a) {
+// waits for its SEND, a compute for its inputs, and with vocabulary actions (vocab.h) what
+// awaits a collective for every rank's post of it (`posts`).
+bool can_run(const Program& p, const ActionTable<uint8_t>& done, const detail::CollectivePosts* posts,
+             const Action& a) {
   if (a.kind == Kind::RECV_F || a.kind == Kind::RECV_B) {
     const Action send = matching_send(a);
     return done.at(send.stage, send.kind, send.microbatch) != 0;
   }
-  for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
+  for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
     for (const Producer& d : producers_of(*s, p.num_stages))
       if (!done.met(d, s->microbatch)) return false;
+    if (!posts) continue;
+    const Kind awaited = detail::awaited_collective(p, *s);
+    if (awaited != Kind::F && !posts->complete(awaited, s->microbatch)) return false;
+  }
   return true;
 }
 
@@ -249,13 +261,17 @@ void check_blocking_run(const Program& p) {
   ActionTable<uint8_t> done(p.num_stages, p.microbatches, 0);
   std::vector<size_t> next(p.pp, 0);
   RankQueue queue(p.pp);
+  std::optional<detail::CollectivePosts> posts;
+  if (has_vocab(p)) posts.emplace(p.pp, p.microbatches);
   while (!queue.empty()) {
     const int r = queue.pop();
     const auto& acts = p.ranks[r];
-    while (next[r] < acts.size() && can_run(p, done, acts[next[r]])) {
+    while (next[r] < acts.size() && can_run(p, done, posts ? &*posts : nullptr, acts[next[r]])) {
       poll_cancel();
       const Action& a = acts[next[r]];
       if (a.kind == Kind::SEND_F || a.kind == Kind::SEND_B) queue.wake(p.rank_of(comm_peer_stage(a)));
+      if (is_collective(a.kind) && posts->post(a.kind, a.microbatch))  // complete: wake every rank
+        for (int q = 0; q < p.pp; ++q) queue.wake(q);
       for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s) {
         done.at(s->stage, s->kind, s->microbatch) = 1;
         const int to = data_consumer(*s, p.num_stages);
@@ -280,6 +296,7 @@ void validate(const Program& p) {
   const Positions pos = place_actions(p);          // 1.
   check_exactly_once(p, pos, forward_only);        // 1.
   check_local_order(p, pos, forward_only);         // 2.
+  detail::check_vocab(p, pos, forward_only);       // 1., 2. and one collective order (vocab.h)
   if (p.has_comms()) check_message_order(p);       // 3.
   check_blocking_run(p);                           // 4.
 }

@@ -15,6 +15,7 @@
 #include "zbpipe/dependencies.h"
 #include "zbpipe/error.h"
 #include "zbpipe/passes.h"
+#include "zbpipe/vocab.h"
 
 namespace zbpipe {
 
@@ -251,6 +252,8 @@ class RendezvousRun {
 void validate_rendezvous(const Program& p) {
   ZB_SCHEDULE_CHECK(p.has_comms() || p.pp == 1, "validate_rendezvous expects a lowered program (with "
                     "SEND/RECV); '", p.schedule, "' is compute-only");
+  ZB_SCHEDULE_CHECK(!has_vocab(p), "validate_rendezvous does not model the vocabulary collectives yet ('",
+                    p.schedule, "'): vocabulary-parallel programs run on host-completing backends (Gloo) only");
   RendezvousRun(p, false).run();
   RendezvousRun(p, true).run();
 }

@@ -9,6 +9,7 @@
 #include "zbpipe/cost_model.h"
 #include "zbpipe/memory_model.h"
 #include "zbpipe/program.h"
+#include "zbpipe/vocab.h"
 
 namespace zbpipe {
 
@@ -32,6 +33,10 @@ struct BuildArgs {
   // Cost-driven builders: threads that share the search grid (0 = search_thread_count's
   // default). The program does not depend on it.
   int search_threads = 0;
+  // Vocabulary parallelism (vocab.h): compile() places the S and T passes and their
+  // collectives (insert_vocab) under `costs` and `vocab`.
+  bool vocab_parallel = false;
+  VocabModel vocab{};
   // The options among kBuildOptions the caller set. compile() refuses one the schedule does not
   // consult (ScheduleError naming the schedules that take it) instead of ignoring it.
   std::vector<std::string> given;
@@ -48,7 +53,12 @@ int search_thread_count(int requested);
 // the memory cap, and the search mode of the cost-driven builders.
 inline const std::vector<std::string> kBuildOptions = {
     "f",     "b",          "w",         "b_full",        "comm", "mem_f",
-    "mem_w", "memory_cap", "exhaustive_search", "search_threads", "refine"};
+    "mem_w", "memory_cap", "exhaustive_search", "search_threads", "refine",
+    "vocab_parallel", "s", "t", "collective", "mem_s", "backlog", "lookahead"};
+// With vocab_parallel every schedule takes these: the vocabulary head's own (VocabModel) and
+// the stage costs its placement is timed with.
+inline const std::vector<std::string> kVocabOptions = {"s", "t", "collective", "mem_s", "backlog", "lookahead"};
+inline const std::vector<std::string> kVocabPlacementCosts = {"f", "b", "w", "b_full", "comm"};
 
 using Builder = std::function<Program(const BuildArgs&)>;
 

@@ -17,7 +17,8 @@ Program build(const std::string& schedule, const BuildArgs& args);
 // every builder checks its exact stage count again when it lays out the program.
 void check_build_size(const std::string& schedule, int64_t pp, int64_t microbatches,
                       int64_t stages_per_rank);
-// build, then lower. Refuses options in args.given that the schedule does not use (check_options).
+// build, then lower; with args.vocab_parallel, then insert_vocab (vocab.h) and validate.
+// Refuses options in args.given that the schedule does not use (check_options).
 Program compile(const std::string& schedule, const BuildArgs& args);
 // Lowers and validates a compute-only program from elsewhere (CSV, a user list).
 Program lower(const Program& compute_only);

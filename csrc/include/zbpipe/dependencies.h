@@ -4,7 +4,8 @@
 //
 // The rule: F of stage s needs F of s-1 (its input); B or I of s needs its own F (the saved
 // activations) and B or I of s+1 (its output gradient); W of s needs I of s. A RECV needs its
-// SEND. OVERLAP_F_B needs what each of its parts needs.
+// SEND. OVERLAP_F_B needs what each of its parts needs. The vocabulary kinds (S, T and their
+// collectives) need nothing here: vocab.h states their rule.
 #pragma once
 
 #include <cstdint>
@@ -54,6 +55,11 @@ inline Producers producers_of(const Action& part, int num_stages) {
     case Kind::SEND_B:
     case Kind::RECV_B:
     case Kind::OVERLAP_F_B:
+    case Kind::S:  // the vocabulary kinds' needs are vocab.h's
+    case Kind::T:
+    case Kind::BCAST_F:
+    case Kind::ALLREDUCE_S:
+    case Kind::REDUCE_B:
       break;
   }
   return p;
@@ -71,7 +77,12 @@ inline int32_t data_consumer(const Action& part, int num_stages) {
     case Kind::RECV_F:
     case Kind::SEND_B:
     case Kind::RECV_B:
-    case Kind::OVERLAP_F_B: return -1;
+    case Kind::OVERLAP_F_B:
+    case Kind::S:
+    case Kind::T:
+    case Kind::BCAST_F:
+    case Kind::ALLREDUCE_S:
+    case Kind::REDUCE_B: return -1;
   }
   return -1;
 }
@@ -87,7 +98,12 @@ inline int32_t comm_peer_stage(const Action& comm) {
     case Kind::B:
     case Kind::I:
     case Kind::W:
-    case Kind::OVERLAP_F_B: return -1;
+    case Kind::OVERLAP_F_B:
+    case Kind::S:
+    case Kind::T:
+    case Kind::BCAST_F:
+    case Kind::ALLREDUCE_S:
+    case Kind::REDUCE_B: return -1;
   }
   return -1;
 }

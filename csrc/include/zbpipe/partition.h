@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "zbpipe/program.h"
+#include "zbpipe/vocab.h"
 
 namespace zbpipe {
 
@@ -35,8 +36,18 @@ struct SplitScore {
   bool fits = true;                 // every rank within the budget
 };
 
+// Vocabulary parallelism in the plan (vocab.h): the head is no unit; every rank does its
+// shard's S and T per microbatch (`model`, seconds and bytes per rank) and holds its shard's
+// static bytes. A split is then scored on its program with the S and T passes placed
+// (insert_vocab under the split's stage costs) and simulated with them.
+struct VocabPlan {
+  VocabModel model;
+  std::vector<double> static_bytes;  // per rank (one value for all, or one per rank)
+};
+
 struct PartitionOptions {
   double comm = 0.0;              // cross-rank latency (seconds)
+  const VocabPlan* vocab = nullptr;  // vocabulary parallelism (null: none)
   double memory_budget = 0.0;     // bytes per rank; <= 0: no budget
   // Enumerate every split of a program when there are at most this many (after the local
   // search, pruned by the work bound); beyond it the local search's answer stands.
@@ -57,7 +68,7 @@ struct PartitionResult {
 
 // Stage costs of a split scored on one program (the simulator with with_timeline=false).
 SplitScore score_split(const Program& program, const UnitProfile& units, const std::vector<int>& bounds,
-                       double comm, double memory_budget);
+                       double comm, double memory_budget, const VocabPlan* vocab = nullptr);
 
 // num_stages + 1 bounds giving each stage units / num_stages units, the first stages one more
 // when it does not divide.

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 #include <string>
 #include <vector>
 
@@ -29,5 +30,14 @@ struct Program {
 inline constexpr size_t kGridRanks = 32;
 inline constexpr size_t kGridSteps = 64;
 std::string format_program(const Program& p, int mark_rank = -1, int mark_index = -1);
+
+// What a program does, readable: "pp=2 stages=2 microbatches=4 stage_to_rank=[0,1]
+// actions=#89ab..." (the action lists as a 64-bit FNV-1a hash of their canonical strings). The
+// schedule's name is left out: it is a label, and zb_auto may build zb_h1's very program. The
+// runtime's program agreement adds the name and its options (runtime/program_agreement.h);
+// Python's Program.__eq__ is same_program, its __hash__ this text's hash.
+std::string fingerprint(const Program& p);
+// Equal topology, microbatches and action lists (the name aside, as fingerprint).
+bool same_program(const Program& a, const Program& b);
 
 }  // namespace zbpipe

@@ -6,7 +6,8 @@
 // overlaps them). Activations: one unit per (stage, microbatch) from the start of its F until
 // the end of its last backward action (B, or W when split). Memory: the deltas of
 // memory_model.h (F adds mem_f at its start, B / I / W free their part at their end; the parts
-// of an OVERLAP_F_B start and end together). Not modelled: bandwidth contention,
+// of an OVERLAP_F_B start and end together). Vocabulary actions follow vocab.h's rule (see the
+// second overload). Not modelled: bandwidth contention,
 // stream overlap inside OVERLAP_F_B (its cost is F + B), optimizer step, memory of weights.
 //
 // Bubble rate follows the Zero Bubble paper (Qi et al. 2023, section 2): a rank's time is its
@@ -23,6 +24,7 @@
 #include "zbpipe/cost_model.h"
 #include "zbpipe/memory_model.h"
 #include "zbpipe/program.h"
+#include "zbpipe/vocab.h"
 
 namespace zbpipe {
 
@@ -42,6 +44,9 @@ struct SimResult {
   std::vector<int> peak_activations;      // per rank, in microbatches
   std::vector<double> peak_memory;        // per rank, in mem_f's units (memory_model.h)
   std::vector<TimelineEvent> timeline;    // compute actions, sorted by (rank, start)
+  // Vocabulary collectives (vocab.h), one event per rank's post: from the post to the
+  // collective's completion; sorted by (rank, start). Empty without vocabulary actions.
+  std::vector<TimelineEvent> collectives;
 };
 
 // What a search or refinement minimizes first: the makespan, or the longest rank span, the Zero
@@ -55,5 +60,12 @@ enum class Objective { kMakespan, kSpan };
 // searches score thousands of programs and read only the numbers).
 SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& memory = {},
                    bool with_timeline = true);
+// The same, with the vocabulary head's costs and memory for a program with vocabulary actions
+// (vocab.h; the overload above uses VocabModel's defaults): S and T take their rank's time; a
+// collective completes `vocab.collective` after its last post; a REDUCE_B is posted once its
+// ALLREDUCE_S completed (the rank waits for it); an S adds the rank's mem_s at its start, which
+// its T frees at its end (an S frees it at its own end in a program without T).
+SimResult simulate(const Program& p, const CostModel& costs, const MemoryModel& memory,
+                   const VocabModel& vocab, bool with_timeline = true);
 
 }  // namespace zbpipe
