@@ -280,6 +280,8 @@ void Executor::check_comms(int index, bool finish) {
 
 void Executor::end_step() {
   check_comms(kStepEnd, true);
+  // A peer's failure published before this step's end fails it, on a polled store too.
+  or_fail_step(kStepEnd, [&] { failures_.check_before_success(); });
   clear_slots();  // every batch completed: drop the step's tensors
   timer_->collect(trace_);
   for (auto& st : stages_) {

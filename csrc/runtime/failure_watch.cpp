@@ -246,6 +246,20 @@ void FailureWatch::take_failure(const std::string& encoded, size_t from) {
   if (on_peer_failure_) on_peer_failure_();
 }
 
+void FailureWatch::look_now() {
+  if (waits() != StoreWaits::Polled || seen()) return;
+  for (size_t i = 0; i < channels_.size(); ++i) {
+    std::optional<std::string> there;
+    try {
+      there = peek(*channels_[i].store, failure_key(channels_[i].id));
+    } catch (const std::exception&) {
+      continue;  // a store that is gone: its watcher reports it
+    }
+    if (there) take_failure(*there, i);
+    if (seen()) return;
+  }
+}
+
 StepFailure FailureWatch::report(const StepFailure& mine) {
   if (auto s = seen()) return *s;
   // A peer's failure standing on any channel (not yet seen here) is the cause: it is what every

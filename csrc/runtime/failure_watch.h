@@ -102,6 +102,11 @@ class FailureWatch {
   // returns the one that stands (this rank's, or the earlier peer's, which is then also
   // seen()). Blocks on the stores only; never throws.
   StepFailure report(const StepFailure& mine);
+  // Polled stores only (a no-op where the store blocks): looks at every channel's failure key
+  // now, on the caller's thread, taking a peer's failure there as a watcher would (abort
+  // included). A watcher looks every kPollInStep: a step ending sooner after a peer's failure
+  // than that would otherwise report success. One request per channel. Never throws.
+  void look_now();
   // A peer's failure seen by a watcher (or by report), if any.
   std::optional<StepFailure> seen() const;
   // How the pipeline group's store serves inboxes.

@@ -91,6 +91,11 @@ void StepFailures::check_stop() const {
   if (watch_ && watch_->seen()) throw CommAborted("waiting was aborted (a peer failed)");
 }
 
+void StepFailures::check_before_success() const {
+  if (watch_) watch_->look_now();
+  check_stop();
+}
+
 // ---- failing ------------------------------------------------------------------------------
 
 std::string StepFailures::where(int index) const {

@@ -76,6 +76,9 @@ class StepFailures {
   bool interrupted() const { return interrupted_.load(std::memory_order_relaxed); }
   // Throws (to end a wait) when a peer's failure was seen or this rank was interrupted.
   void check_stop() const;
+  // At a step's end, before it reports success: on a polled store, one look at the failure
+  // keys (FailureWatch::look_now), then check_stop.
+  void check_before_success() const;
 
   // ---- failing -------------------------------------------------------------------------
   bool broken() const { return broken_; }
