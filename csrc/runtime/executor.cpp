@@ -130,7 +130,7 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
     ~StepScope() {
       ex.step_.data = nullptr;
       ex.step_.result = nullptr;
-      ex.failures_.disarm();  // the watcher polls only while a step runs
+      ex.failures_.disarm();  // polled stores: the watcher looks less often between steps
     }
   } scope{*this};
   step_.data = &data;
@@ -166,6 +166,7 @@ void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
     ensure_watch();
     failures_.arm();
     const std::function<void()> stop = [this] { failures_.check_stop(); };
+    const std::function<P2P&()> control = [this]() -> P2P& { return this->control(); };
     agreement_.before_step({.data = *step_.data,
                             .first_inputs = first_inputs,
                             .number = failures_.step(),
@@ -173,7 +174,8 @@ void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
                             .watch = failures_.watch(),
                             .id = failures_.id(),
                             .stage0_rank = failures_.global(program_.rank_of(0)),
-                            .check_stop = stop});
+                            .check_stop = stop,
+                            .control = control});
     meet_replicas_at_start();
     if (vocab_) {  // the root checks that the last stage's agreed output is the head's input
       const std::vector<TensorSpec>* hidden = nullptr;
@@ -278,6 +280,8 @@ void Executor::check_comms(int index, bool finish) {
 
 void Executor::end_step() {
   check_comms(kStepEnd, true);
+  // A peer's failure published before this step's end fails it, on a polled store too.
+  or_fail_step(kStepEnd, [&] { failures_.check_before_success(); });
   clear_slots();  // every batch completed: drop the step's tensors
   timer_->collect(trace_);
   for (auto& st : stages_) {
