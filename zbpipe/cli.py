@@ -281,7 +281,7 @@ def _header(prog: _C.Program) -> str:
 
 def _plan_from_trace(args, out) -> int:
     """plan --from-trace: compile under the traced costs and deltas, report the simulated step."""
-    from .stage_costs import compile_costs, profile_from_trace
+    from .tuning.stage_costs import compile_costs, profile_from_trace
 
     try:
         profile = profile_from_trace(args.from_trace)
