@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_autotune.py                 # one-stage, V and looped placements
     PYTHONPATH=. python benchmarks/bench_autotune.py --placements one --reps 5
 
-pp=2, two spawned ranks joined by Gloo (zbpipe.train.launcher), one intra-op thread per rank,
+pp=2, two spawned ranks joined by Gloo (zbpipe.launch), one intra-op thread per rank,
 fp32 CPU, 8 microbatches of 64 rows. The model: light stages (Linear(256, 256) + GELU) and a
 last stage that is an LM-head-like Linear(256, VOCAB) whose loss is a cross-entropy over VOCAB
 classes, about three times a light stage's work. One stage per rank: stage 0 light, stage 1
@@ -59,7 +59,7 @@ import zbpipe
 from zbpipe import schedule_auto
 from zbpipe.schedule_auto import FAMILIES
 from zbpipe.stage_costs import COMPUTE_ACTION, action_seconds, compile_costs, profile_from_trace
-from zbpipe.train.launcher import run_local
+from zbpipe.launch import run_local
 
 PP, M, ROWS, D, VOCAB = 2, 8, 64, 256, 3072
 

@@ -47,7 +47,7 @@ import zbpipe
 from zbpipe import _C
 from zbpipe.bench.emulated import EmulatedBlock
 from zbpipe.partition import DEFAULT_SCHEDULES, UnitCost, candidate_programs, search_split, unit_profile
-from zbpipe.train.launcher import run_local
+from zbpipe.launch import run_local
 from zbpipe.train.metrics import SavedActivationMeter
 
 # ---- planning time ----------------------------------------------------------------------------

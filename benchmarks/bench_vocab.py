@@ -64,7 +64,7 @@ from torch import nn
 import zbpipe
 from zbpipe.bench.emulated import EmulatedBlock
 from zbpipe.partition import UnitCost, candidate_programs, search_split
-from zbpipe.train.launcher import run_local
+from zbpipe.launch import run_local
 
 MIB = 1024.0 ** 2
 
