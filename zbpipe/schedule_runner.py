@@ -23,7 +23,7 @@ from . import _C
 from .control_plane import gloo_control_group, warn_if_default_nccl_group, warn_if_polled
 from .device_checks import check_stages
 from .group_timeout import warn_if_not_below
-from .memory_probe import MemoryProbe, chrome_memory_events
+from .tuning.memory_probe import MemoryProbe, chrome_memory_events
 from .step_data import StepData, input_signature
 
 
