@@ -61,11 +61,9 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
   ZB_SCHEDULE_CHECK(has_vocab(program_) == (options_.vocab != nullptr), "the program '", program_.schedule,
                     options_.vocab ? "' has no vocabulary actions but a vocabulary-parallel output was given"
                                    : "' has vocabulary actions but no vocabulary-parallel output was given");
-  if (options_.vocab) {
-    ZB_SCHEDULE_CHECK(!p2p_->stream_ordered(), "vocabulary parallelism runs on backends whose messages complete "
-                      "on the host (Gloo) so far; this group (", p2p_->backend_name(), ") is stream-ordered");
-    vocab_ = std::make_unique<VocabRun>(*p2p_, options_.vocab, program_);
-  }
+  // Stream-ordered backends: its collectives get a group of their own at the first step
+  // (open_vocab_collectives).
+  if (options_.vocab) vocab_ = std::make_unique<VocabRun>(*p2p_, options_.vocab, program_);
   // Stream-ordered backends: refuse a program whose posts would deadlock there (a send
   // completes only once its receive is posted), before any message.
   if (p2p_->stream_ordered() && program_.pp > 1) validate_rendezvous(program_);
@@ -177,6 +175,7 @@ void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
                             .check_stop = stop,
                             .control = control});
     meet_replicas_at_start();
+    open_vocab_collectives();
     if (vocab_) {  // the root checks that the last stage's agreed output is the head's input
       const std::vector<TensorSpec>* hidden = nullptr;
       for (const LocalStage& st : stages_)
@@ -280,6 +279,7 @@ void Executor::check_comms(int index, bool finish) {
 
 void Executor::end_step() {
   check_comms(kStepEnd, true);
+  if (vocab_) or_fail_step(kStepEnd, [&] { vocab_->finish(); });
   // A peer's failure published before this step's end fails it, on a polled store too.
   or_fail_step(kStepEnd, [&] { failures_.check_before_success(); });
   clear_slots();  // every batch completed: drop the step's tensors

@@ -215,6 +215,10 @@ class Executor {
   void ensure_watch();
   // The pipeline's control messages (each step's input signature), opened at their first use.
   P2P& control();
+  // Stream-ordered backends, once (a step's start, every rank there): the vocabulary head's
+  // collectives on a group of their own (vocab_run.h): the backend's own where it provides
+  // side groups (the loopback world), else the front end's (VocabHandle::collective_group).
+  void open_vocab_collectives();
   // Tells the peers first (StepFailures::publish), then tears the step down
   // (abort_communication, abandon_in_flight) and throws PipelineError naming the failing action
   // (`index`: its index, kStepStart or kStepEnd) and the cause `ex`, its text after `prefix`;
@@ -277,6 +281,7 @@ class Executor {
   // The control P2Ps (the pipeline's, the replicas' groups'), aborted with the communication.
   std::shared_ptr<ControlLinks> links_ = std::make_shared<ControlLinks>();
   std::shared_ptr<P2P> control_;  // the pipeline's, once opened
+  std::shared_ptr<P2P> vocab_collectives_;  // stream-ordered backends: the head's, once opened
   std::vector<std::shared_ptr<ReplicaGroup>> replica_groups_;  // per data-parallel group, once watched
   StepAgreement agreement_;  // program fingerprints and the known shape sets
   CustomRun custom_;         // register_custom_function's handler and the parts it ran

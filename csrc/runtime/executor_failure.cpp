@@ -45,6 +45,33 @@ void Executor::ensure_watch() {
   }
 }
 
+void Executor::open_vocab_collectives() {
+  if (!vocab_ || vocab_collectives_ || !p2p_->stream_ordered() || program_.pp == 1) return;
+  const std::string name = detail::str("zbpipe/x", failures_.id(), "/vocab/");
+  const auto& pipeline = p2p_->group();
+  c10::intrusive_ptr<c10d::ProcessGroup> group = options_.vocab->collective_group(pipeline, name, options_.timeout);
+  if (!group) {
+    c10::intrusive_ptr<c10d::Backend> backend;
+    try {
+      backend = pipeline->getBackend(c10::DeviceType::CPU);
+    } catch (const std::exception&) {
+    }
+    if (auto* own = dynamic_cast<ProvidesControlGroups*>(backend.get())) group = own->control_group(name);
+  }
+  ZB_SCHEDULE_CHECK(group, "the vocabulary-parallel head's collectives need a process group of their own on this "
+                    "stream-ordered backend (", p2p_->backend_name(), "), of the pipeline's ranks: give "
+                    "VocabParallelOutput(..., collective_group=dist.new_group(ranks))");
+  ZB_SCHEDULE_CHECK(group->getSize() == pipeline->getSize() && group->getRank() == pipeline->getRank(),
+                    "the vocabulary head's collective group has rank ", group->getRank(), " of ", group->getSize(),
+                    ", the pipeline group ", pipeline->getRank(), " of ", pipeline->getSize(),
+                    ": it must hold the pipeline's ranks in the same order");
+  P2POptions options;
+  options.stream_ordered = true;
+  vocab_collectives_ = std::make_shared<P2P>(group, p2p_->device(), options);
+  links_->add(vocab_collectives_);  // aborted and abandoned with the rest of the communication
+  vocab_->set_collectives(*vocab_collectives_);
+}
+
 P2P& Executor::control() {
   if (!control_) {
     control_ = open_control(p2p_->group(), detail::str("zbpipe/x", failures_.id(), "/control/"),

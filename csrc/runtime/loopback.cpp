@@ -82,7 +82,11 @@ struct LoopbackWorld::State {
   std::vector<char> coalescing;                    // per rank: inside a coalesced post now
   std::vector<double> hold_posts_s;                // per rank: hold_coalesced_posts
   double abort_delay_s = 0;                        // slow_aborts
-  struct Collective {  // an all-reduce, matched by call order across the world
+  // A collective (all-reduce, broadcast, reduce), matched by call order across the world.
+  enum class CollectiveKind { AllReduce, Broadcast, Reduce };
+  struct Collective {
+    CollectiveKind kind = CollectiveKind::AllReduce;
+    int root = -1;
     std::vector<at::Tensor> tensors;
     std::vector<c10::intrusive_ptr<LoopbackWork>> works;
     int arrived = 0;
@@ -254,27 +258,56 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits, public P
 
   // Sums `tensors[0]` (CPU) over the world's ranks: the n-th call of each rank meet.
   c10::intrusive_ptr<c10d::Work> allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions&) override {
-    ZB_CHECK(tensors.size() == 1 && tensors[0].is_cpu(), "loopback: all-reduce takes one CPU tensor");
+    return collective(LoopbackWorld::State::CollectiveKind::AllReduce, -1, tensors);
+  }
+  c10::intrusive_ptr<c10d::Work> broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& o) override {
+    return collective(LoopbackWorld::State::CollectiveKind::Broadcast, static_cast<int>(o.rootRank), tensors);
+  }
+  c10::intrusive_ptr<c10d::Work> reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& o) override {
+    return collective(LoopbackWorld::State::CollectiveKind::Reduce, static_cast<int>(o.rootRank), tensors);
+  }
+
+  // Every rank's k-th collective meets the others' k-th: the same kind, root and size, else a
+  // loud error (a real backend would hang or corrupt). Completes when the last rank arrives
+  // (CPU tensors: the copy is done on the host then).
+  c10::intrusive_ptr<c10d::Work> collective(LoopbackWorld::State::CollectiveKind kind, int root,
+                                            std::vector<at::Tensor>& tensors) {
+    ZB_CHECK(tensors.size() == 1 && tensors[0].is_cpu(), "loopback: a collective takes one CPU tensor");
     auto work = make_work();
     work->add_op();
     work->seal();
     std::vector<c10::intrusive_ptr<LoopbackWork>> done;
     {
       std::lock_guard<std::mutex> lock(state_->mu);
-      auto& c = state_->collectives[state_->next_collective[rank_]++];
+      const int64_t index = state_->next_collective[rank_]++;
+      auto& c = state_->collectives[index];
       if (c.works.empty()) {
+        c.kind = kind;
+        c.root = root;
         c.tensors.resize(size_);
         c.works.resize(size_);
       }
+      ZB_CHECK(c.kind == kind && c.root == root, "loopback rank ", rank_, ": collective ", index,
+               " differs from another rank's (kind or root)");
       c.tensors[rank_] = tensors[0];
       c.works[rank_] = work;
       if (++c.arrived == size_) {
         at::AutoDispatchBelowADInplaceOrView below_autograd;
-        auto sum = c.tensors[0].clone();
-        for (int r = 1; r < size_; ++r) sum.add_(c.tensors[r]);
-        for (int r = 0; r < size_; ++r) c.tensors[r].copy_(sum);
+        for (int r = 1; r < size_; ++r)
+          ZB_CHECK(c.tensors[r].numel() == c.tensors[0].numel(), "loopback: collective ", index,
+                   " has ", c.tensors[r].numel(), " elements on rank ", r, ", ", c.tensors[0].numel(), " on rank 0");
+        using K = LoopbackWorld::State::CollectiveKind;
+        if (kind == K::Broadcast) {
+          for (int r = 0; r < size_; ++r)
+            if (r != root) c.tensors[r].copy_(c.tensors[root]);
+        } else {
+          auto sum = c.tensors[0].clone();
+          for (int r = 1; r < size_; ++r) sum.add_(c.tensors[r]);
+          for (int r = 0; r < size_; ++r)
+            if (kind == K::AllReduce || r == root) c.tensors[r].copy_(sum);
+        }
         done = c.works;
-        state_->collectives.erase(state_->next_collective[rank_] - 1);
+        state_->collectives.erase(index);
       }
     }
     for (auto& w : done) w->op_done();

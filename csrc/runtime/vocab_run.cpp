@@ -2,12 +2,15 @@
 #include "runtime/vocab_run.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <thread>
 
+#include "runtime/device.h"
 #include "runtime/errors.h"
 #include "zbpipe/error.h"
 #include "zbpipe/vocab.h"
@@ -32,8 +35,20 @@ void accumulate(at::Tensor& p, at::Tensor g) {
 }  // namespace
 
 VocabRun::VocabRun(P2P& p2p, std::shared_ptr<VocabHandle> handle, const Program& program)
-    : p2p_(p2p), handle_(std::move(handle)), pp_(program.pp), rank_(p2p.rank()), root_(vocab_root(program)),
-      microbatches_(program.microbatches), shard_(handle_->shard()), slots_(program.microbatches) {}
+    : p2p_(p2p), coll_(&p2p), handle_(std::move(handle)), pp_(program.pp), rank_(p2p.rank()),
+      root_(vocab_root(program)), microbatches_(program.microbatches), shard_(handle_->shard()),
+      slots_(program.microbatches) {
+  if (p2p_.stream_ordered() && device_has_events(p2p_.device()))
+    stream_ = c10::impl::getDeviceGuardImpl(p2p_.device().type())->getStreamFromGlobalPool(p2p_.device(), false);
+}
+
+void VocabRun::set_collectives(P2P& collectives) {
+  ZB_CHECK(collectives.rank() == rank_ && collectives.size() == pp_, "the vocabulary collectives' group has rank ",
+           collectives.rank(), " of ", collectives.size(), ", the pipeline's ", rank_, " of ", pp_);
+  coll_ = &collectives;
+}
+
+
 
 VocabRun::Slot& VocabRun::slot(int mb) {
   ZB_CHECK(mb >= 0 && mb < microbatches_, "vocabulary microbatch ", mb, " out of range");
@@ -84,22 +99,29 @@ void VocabRun::wait(const std::shared_ptr<Batch>& batch, Kind k, int mb, int64_t
   const std::string what = k == Kind::BCAST_F ? detail::str(name(k, mb), " (from rank ", root_, ")")
                            : k == Kind::REDUCE_B ? detail::str(name(k, mb), " (from every rank)")
                                                  : detail::str(name(k, mb), " (from every rank)");
-  p2p_.wait(batch, timeout_, what);
+  coll_->wait(batch, timeout_, what);
   wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
 }
 
 void VocabRun::post_broadcast(int mb) {
   Slot& s = slot(mb);
+  // The root posts from the stages' stream (after the last stage's F); the others from the
+  // head's, into a buffer of its own.
+  const OnHead head(stream_, rank_ != root_);
   if (rank_ != root_)
     s.hidden = at::empty({s.target.numel(), shard_.in_features}, weight_.options().requires_grad(false));
   ZB_CHECK(s.hidden.defined(), "'", name(Kind::BCAST_F, mb), "' on the root before the last stage's F");
+  if (stream_ && rank_ == root_) record_on_stream(s.hidden, *stream_);  // S reads it on the head's
   if (pp_ == 1) return;
-  s.bcast = p2p_.post_collective({CollectiveOp::Type::Broadcast, root_, s.hidden}, timeout_, name(Kind::BCAST_F, mb));
+  s.bcast = coll_->post_collective({CollectiveOp::Type::Broadcast, root_, s.hidden}, timeout_, name(Kind::BCAST_F, mb));
 }
 
 void VocabRun::s_pass(int mb, int64_t& wait_ns) {
   Slot& s = slot(mb);
-  if (rank_ != root_) wait(s.bcast, Kind::BCAST_F, mb, wait_ns);
+  const OnHead head(stream_);
+  // The root's own S waits for its broadcast where the passes have a stream of their own: it
+  // orders the head's stream after the root's F.
+  if (rank_ != root_ || stream_) wait(s.bcast, Kind::BCAST_F, mb, wait_ns);
   at::NoGradGuard no_grad;
   const at::Tensor w = weight_.detach();
   const int64_t n = s.target.numel();
@@ -127,9 +149,10 @@ void VocabRun::s_pass(int mb, int64_t& wait_ns) {
 
 void VocabRun::post_allreduce(int mb) {
   Slot& s = slot(mb);
+  const OnHead head(stream_);
   ZB_CHECK(s.stats.defined(), "'", name(Kind::ALLREDUCE_S, mb), "' before its S");
   if (pp_ == 1) return;
-  s.stats_batch = p2p_.post_collective({CollectiveOp::Type::AllReduceSum, -1, s.stats}, timeout_,
+  s.stats_batch = coll_->post_collective({CollectiveOp::Type::AllReduceSum, -1, s.stats}, timeout_,
                                        name(Kind::ALLREDUCE_S, mb));
 }
 
@@ -152,6 +175,7 @@ void VocabRun::statistics(int mb, int64_t& wait_ns) {
 }
 
 void VocabRun::post_reduce(int mb, int64_t& wait_ns) {
+  const OnHead head(stream_);
   statistics(mb, wait_ns);
   Slot& s = slot(mb);
   at::NoGradGuard no_grad;
@@ -160,11 +184,12 @@ void VocabRun::post_reduce(int mb, int64_t& wait_ns) {
   s.picked = at::Tensor();
   s.part = part.to(weight_.scalar_type()).contiguous();  // the head's input dtype (begin checks it)
   if (pp_ == 1) return;
-  s.grad_batch = p2p_.post_collective({CollectiveOp::Type::ReduceSum, root_, s.part}, timeout_,
+  s.grad_batch = coll_->post_collective({CollectiveOp::Type::ReduceSum, root_, s.part}, timeout_,
                                       name(Kind::REDUCE_B, mb));
 }
 
 void VocabRun::t_pass(int mb, int64_t& wait_ns) {
+  const OnHead head(stream_);
   statistics(mb, wait_ns);
   Slot& s = slot(mb);
   at::NoGradGuard no_grad;
@@ -184,7 +209,8 @@ void VocabRun::t_pass(int mb, int64_t& wait_ns) {
 
 void VocabRun::await_input_grad(int mb, int64_t& wait_ns) {
   Slot& s = slot(mb);
-  wait(s.grad_batch, Kind::REDUCE_B, mb, wait_ns);
+  wait(s.grad_batch, Kind::REDUCE_B, mb, wait_ns);  // on the stages' stream: the backward's
+  if (stream_) record_on_stream(s.part, current_stream(p2p_.device()));
   s.grad_ready = true;
 }
 
@@ -196,8 +222,20 @@ at::Tensor VocabRun::input_grad(int mb) const {
 
 at::Tensor VocabRun::loss(int mb) {
   int64_t unused = 0;
-  statistics(mb, unused);
+  {
+    const OnHead head(stream_);
+    statistics(mb, unused);
+  }
+  if (stream_) record_on_stream(slot(mb).loss, current_stream(p2p_.device()));
   return slot(mb).loss;
+}
+
+void VocabRun::finish() {
+  if (coll_ != &p2p_) coll_->settle(timeout_);
+  if (!stream_) return;
+  c10::Event joined(p2p_.device().type());
+  joined.record(*stream_);
+  joined.block(current_stream(p2p_.device()));
 }
 
 void VocabRun::end() {

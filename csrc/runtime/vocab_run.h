@@ -18,10 +18,13 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -32,11 +35,23 @@
 
 namespace zbpipe::runtime {
 
+// On a backend whose messages complete on the host (Gloo) the collectives go over the
+// pipeline's group and the passes run on the host's one stream. On a stream-ordered backend
+// (NCCL) they need what the core's rendezvous model shows (validate_rendezvous.cpp): the
+// collectives on a communicator of their own (set_collectives: a P2P over a group of their
+// own, or its NCCL streams would order a rank's early broadcast before the sends its root waits
+// for), and the passes on a compute stream of their own where the device has streams (a T
+// waiting for its statistics must not hold back the stages' posts): the head's stream waits
+// for the broadcast (which waited for the root's F), the root's backward waits for the
+// reduction, and finish() joins the head's stream into the caller's.
+//
 // Not thread-safe: the executor's thread (input_grad also from the worker, once awaited).
 class VocabRun {
  public:
   // `p2p` outlives this object; `program` is the executor's (with vocabulary actions).
   VocabRun(P2P& p2p, std::shared_ptr<VocabHandle> handle, const Program& program);
+  // Stream-ordered backends: the collectives' P2P (outlives this object, or is replaced).
+  void set_collectives(P2P& collectives);
 
   // The step's start: its targets and the shard's parameters from the handle, the loss scale and
   // the bound of every wait. On the root, `hidden` is the last stage's agreed output signature:
@@ -61,6 +76,10 @@ class VocabRun {
   // The loss of `mb` (mean over its counted tokens), waiting for its statistics if needed.
   at::Tensor loss(int mb);
 
+  // The step's end, before end(): completes the collectives of a P2P of their own (a
+  // non-root's reduction is never waited for) and joins the head's stream into the caller's,
+  // so the shard's gradients and the losses are ordered before what follows on it.
+  void finish();
   // The step's end (its collectives completed) or failure: drops the step's tensors.
   // With one rank (pp = 1) nothing is posted and nothing waits: the one shard is the head.
   void end();
@@ -84,7 +103,21 @@ class VocabRun {
   // Waits for the statistics of `mb` and derives the loss, g and g alpha_r (once).
   void statistics(int mb, int64_t& wait_ns);
 
+  // The head's stream for the scope of a pass (stream-ordered backends on a device with
+  // streams), else nothing; `on` false: nothing either.
+  class OnHead {
+   public:
+    explicit OnHead(const std::optional<c10::Stream>& stream, bool on = true) {
+      if (stream && on) guard_.emplace(*stream);
+    }
+
+   private:
+    std::optional<c10::StreamGuard> guard_;
+  };
+
   P2P& p2p_;
+  P2P* coll_;  // the collectives': p2p_, or set_collectives'
+  std::optional<c10::Stream> stream_;  // the head's, see on_head
   std::shared_ptr<VocabHandle> handle_;
   const int pp_, rank_, root_, microbatches_;
   VocabShard shard_;
