@@ -18,6 +18,7 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
 #include <c10/core/Stream.h>
 #include <c10/core/StreamGuard.h>
 
@@ -28,6 +29,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/head_lane.h"
 #include "runtime/p2p.h"
 #include "runtime/stage_handle.h"
 #include "runtime/vocab_handle.h"
@@ -36,14 +38,16 @@
 namespace zbpipe::runtime {
 
 // On a backend whose messages complete on the host (Gloo) the collectives go over the
-// pipeline's group and the passes run on the host's one stream. On a stream-ordered backend
-// (NCCL) they need what the core's rendezvous model shows (validate_rendezvous.cpp): the
-// collectives on a communicator of their own (set_collectives: a P2P over a group of their
-// own, or its NCCL streams would order a rank's early broadcast before the sends its root waits
-// for), and the passes on a compute stream of their own where the device has streams (a T
-// waiting for its statistics must not hold back the stages' posts): the head's stream waits
-// for the broadcast (which waited for the root's F), the root's backward waits for the
-// reduction, and finish() joins the head's stream into the caller's.
+// pipeline's group and the actions run in line. On a stream-ordered backend (NCCL, or any
+// group posted as one) they need what the core's rendezvous model shows
+// (validate_rendezvous.cpp): the collectives on a communicator of their own (set_collectives:
+// a P2P over a group of their own; on the messages' one a rank's early broadcast post would
+// hold back the sends its root waits for), and every vocabulary action on a lane of its own (a
+// T waiting for its statistics must not hold back the stages' posts): a stream of its own on a
+// device (the root's broadcast first waits for the stages' stream; the root's backward waits
+// for the reduction), a thread of its own on a host without streams (HeadLane: the root's lane
+// completes the reduction and marks it for the backward). finish() drains the lane, completes
+// the collectives and joins the head's stream into the caller's.
 //
 // Not thread-safe: the executor's thread (input_grad also from the worker, once awaited).
 class VocabRun {
@@ -103,6 +107,17 @@ class VocabRun {
   // Waits for the statistics of `mb` and derives the loss, g and g alpha_r (once).
   void statistics(int mb, int64_t& wait_ns);
 
+  // The actions' bodies, run by on_lane.
+  void do_post_broadcast(int mb, const std::shared_ptr<c10::Event>& stages_done);
+  void do_s_pass(int mb, int64_t& wait_ns);
+  void do_post_allreduce(int mb);
+  void do_post_reduce(int mb, int64_t& wait_ns);
+  void do_t_pass(int mb, int64_t& wait_ns);
+  // Runs f(wait_ns) on the head's lane: queued on its thread (lane_), else here under its
+  // stream (stream_), else here.
+  template <typename F>
+  void on_lane(F&& f, int64_t& wait_ns);
+
   // The head's stream for the scope of a pass (stream-ordered backends on a device with
   // streams), else nothing; `on` false: nothing either.
   class OnHead {
@@ -118,6 +133,7 @@ class VocabRun {
   P2P& p2p_;
   P2P* coll_;  // the collectives': p2p_, or set_collectives'
   std::optional<c10::Stream> stream_;  // the head's, see on_head
+  std::unique_ptr<HeadLane> lane_;     // stream-ordered posting on a host without streams
   std::shared_ptr<VocabHandle> handle_;
   const int pp_, rank_, root_, microbatches_;
   VocabShard shard_;

@@ -10,11 +10,10 @@
 // coalesces every batch on such backends; see csrc/runtime/p2p.h.)
 //
 // The vocabulary collectives (vocab.h) are groups of their own, posted in program order among
-// the batches onto a second stream: a communicator of their own, as a stream-ordered runtime
-// must run them (on the messages' communicator every vocabulary program deadlocks: a rank's
-// early broadcast post holds back the sends its root waits for). A collective completes once
-// every rank has started its own. The executor does not run vocabulary programs on
-// stream-ordered backends yet (docs/vocab_parallel.md): this is the design it must follow. Their waits are
+// the batches onto a second stream: a communicator of their own, as the executor runs them on
+// stream-ordered backends (vocab_run.h; on the messages' communicator every vocabulary program
+// deadlocks: a rank's early broadcast post holds back the sends its root waits for). A
+// collective completes once every rank has started its own. Their waits are
 // the executor's (vocab_run.h): S waits for its broadcast off the root, REDUCE_B's post and T
 // for the statistics' all-reduce, the root's backward of the last stage for the reduction.
 #include <algorithm>
@@ -54,6 +53,8 @@ struct Step {
   int group = -1;   // a post (the compute stream reached the batch)
   int action = -1;  // else a compute action, waiting for `waits`
   std::vector<int> waits;
+  int pos = 0;         // its action's index in the rank's program
+  bool after_stages = false;  // the head's lane: only once the stages' lane has passed `pos`
 };
 
 // A vocabulary collective's key: its kind and microbatch (every rank posts each once).
@@ -142,30 +143,40 @@ class RendezvousRun {
     }
   }
 
-  // Each rank's compute streams (lanes 2r: the stages', 2r + 1: the vocabulary head's, as a
-  // stream-ordered runtime must run them): a post where it reaches a batch, else a
-  // compute that waits for the groups holding its received inputs. The head's passes, the
-  // posts of their collectives and REDUCE_B's rescale run on the head's stream, so a pass
-  // waiting for a collective never holds back the stages' posts; the root's broadcast is posted
-  // from the stages' stream (after the last stage's F).
+  // Each rank's compute lanes (2r: the stages', 2r + 1: the vocabulary head's, a stream of its
+  // own on a device, a thread of its own on the CPU: vocab_run.h): a post where it reaches a
+  // batch, else a compute that waits for the groups holding its received inputs. Every
+  // vocabulary action (passes, collective posts, REDUCE_B's rescale) runs on the head's lane,
+  // so a pass waiting for a collective never holds back the stages' posts; the root's
+  // broadcast only once the stages' lane has passed it (it reads the last stage's output).
   void make_steps() {
     for (int r = 0; r < p_.pp; ++r) {
       const auto& acts = p_.ranks[r];
       size_t next_group = 0;
       for (int i = 0; i < static_cast<int>(acts.size()); ++i) {
         const Action& a = acts[i];
-        const bool head = is_vocab(a.kind) && !(a.kind == Kind::BCAST_F && r == vocab_root(p_));
+        const bool head = is_vocab(a.kind);
         std::vector<Step>& lane = steps_[2 * r + (head ? 1 : 0)];
+        // The root's broadcast reads the last stage's output: posted once the stages' lane has
+        // run everything before it.
+        const bool after = a.kind == Kind::BCAST_F && r == vocab_root(p_);
         if (is_comm(a.kind) || is_collective(a.kind)) {
           // REDUCE_B's post rescales by the global statistics: it waits for their all-reduce.
           if (a.kind == Kind::REDUCE_B)
-            lane.push_back(Step{-1, i, {collective_group(r, Kind::ALLREDUCE_S, a.microbatch)}});
+            lane.push_back(Step{-1, i, {collective_group(r, Kind::ALLREDUCE_S, a.microbatch)}, i, false});
           while (next_group < rank_groups_[r].size() &&
                  groups_[rank_groups_[r][next_group]].batch.begin == i)
-            lane.push_back(Step{rank_groups_[r][next_group++], -1, {}});
+            lane.push_back(Step{rank_groups_[r][next_group++], -1, {}, i, after});
+          // The root's head lane waits for its reduction's completion right after posting it (a
+          // CPU lane, a thread, completes it there for the backward; a device's stages'
+          // stream waits for it instead, which holds back less).
+          if (a.kind == Kind::REDUCE_B && r == vocab_root(p_))
+            lane.push_back(Step{-1, i, {collective_group(r, Kind::REDUCE_B, a.microbatch)}, i, false});
           continue;
         }
-        lane.push_back(compute_step(r, a, i));
+        Step s = compute_step(r, a, i);
+        s.pos = i;
+        lane.push_back(std::move(s));
       }
     }
   }
@@ -212,6 +223,11 @@ class RendezvousRun {
     while (at_[lane] < steps_[lane].size()) {
       poll_cancel();
       const Step& s = steps_[lane][at_[lane]];
+      if (s.after_stages) {  // the stages' lane (2r) must have passed s.pos
+        const auto& stages = steps_[lane - 1];
+        const size_t k = at_[lane - 1];
+        if (k < stages.size() && stages[k].pos < s.pos) break;
+      }
       if (s.group >= 0) {
         groups_[s.group].posted = true;
       } else {
@@ -283,6 +299,14 @@ class RendezvousRun {
     int g = -1;
     for (int w : s.waits)
       if (!groups_[w].done) g = w;
+    if (g < 0) {  // the root's broadcast, waiting for the stages' lane
+      const Step& stages = steps_[lane - 1][at_[lane - 1]];
+      throw ScheduleError(detail::str(
+          "invalid program '", p_.schedule, "' (pp=", p_.pp, ", stages=", p_.num_stages, ", microbatches=",
+          p_.microbatches, "): deadlock with rendezvous sends (NCCL): rank ", r, "'s vocabulary head waits at '",
+          to_string(p_.ranks[r][s.pos]), "' for its stages, which wait at '", to_string(p_.ranks[r][stages.pos]),
+          "'\n", format_program(p_, r, s.pos)));
+    }
     const Group& blocked = groups_[g];
     std::string why = holder(blocked);
     if (!blocked.started) {
