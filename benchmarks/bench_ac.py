@@ -4,7 +4,7 @@ keep its gain over 1F1B when every block is checkpointed?
     PYTHONPATH=. python benchmarks/bench_ac.py                           # both models
     PYTHONPATH=. python benchmarks/bench_ac.py --models mlp --reps 3
 
-pp=2, two spawned ranks on one host joined by Gloo (zbpipe.train.launcher), one intra-op
+pp=2, two spawned ranks on one host joined by Gloo (zbpipe.launch), one intra-op
 thread per rank, 8 microbatches, fp32 CPU; schedules 1f1b, zb_h1, zbv and interleaved_zb, each
 with and without AC, on the same weights. Models (the blocks are split evenly over the
 schedule's stages: one stage per rank for 1f1b and zb_h1, two for zbv and interleaved_zb):
@@ -71,7 +71,7 @@ from torch.utils.checkpoint import checkpoint
 
 from _split_models import MODELS as SPLIT_MODELS
 from bench_bubble import KINDS, _agree, _comm_ms, _costs, _predict
-from zbpipe.train.launcher import run_local
+from zbpipe.launch import run_local
 
 PP = 2
 SCHEDULES = ("1f1b", "zb_h1", "zbv", "interleaved_zb")

@@ -3,7 +3,7 @@
     PYTHONPATH=. python benchmarks/bench_autotune.py                 # one-stage, V and looped placements
     PYTHONPATH=. python benchmarks/bench_autotune.py --placements one --reps 5
 
-pp=2, two spawned ranks joined by Gloo (zbpipe.train.launcher), one intra-op thread per rank,
+pp=2, two spawned ranks joined by Gloo (zbpipe.launch), one intra-op thread per rank,
 fp32 CPU, 8 microbatches of 64 rows. The model: light stages (Linear(256, 256) + GELU) and a
 last stage that is an LM-head-like Linear(256, VOCAB) whose loss is a cross-entropy over VOCAB
 classes, about three times a light stage's work. One stage per rank: stage 0 light, stage 1
@@ -58,8 +58,8 @@ from torch import nn
 import zbpipe
 from zbpipe import schedule_auto
 from zbpipe.schedule_auto import FAMILIES
-from zbpipe.stage_costs import _COMPUTE, _took_s, compile_costs, profile_from_trace
-from zbpipe.train.launcher import run_local
+from zbpipe.stage_costs import COMPUTE_ACTION, action_seconds, compile_costs, profile_from_trace
+from zbpipe.launch import run_local
 
 PP, M, ROWS, D, VOCAB = 2, 8, 64, 256, 3072
 
@@ -109,9 +109,9 @@ def _breakdown(records: list[dict], start_ns: int, end_ns: int) -> dict:
     wait for it falls in the rest), receive waits, records that post sends, and the rest of the
     wall time (before, between and after records)."""
     host = [r for r in records if not r.get("worker")]
-    computes = [r for r in host if _COMPUTE.match(r["action"])]
+    computes = [r for r in host if COMPUTE_ACTION.match(r["action"])]
     sends = [r for r in host if "SEND" in r["action"]]
-    took = lambda r: _took_s(r, "host")  # noqa: E731  host time less the receive wait
+    took = lambda r: action_seconds(r, "host")  # noqa: E731  host time less the receive wait
     out = dict(wall=(end_ns - start_ns) / 1e9, compute=sum(map(took, computes)), n_compute=len(computes),
                waits=sum(r["wait_ns"] for r in host) / 1e9, sends=sum(map(took, sends)),
                n_sends=sum("SEND" in a for r in sends for a in r["action"].split("+")))

@@ -5,7 +5,7 @@ the executor's own trace.
     PYTHONPATH=. python benchmarks/bench_bubble.py                   # one thread per rank
     PYTHONPATH=. python benchmarks/bench_bubble.py --threads 2 --models linear --reps 2   # 2-core distortion
 
-pp=2, two spawned ranks on one host joined by Gloo (zbpipe.train.launcher, two loopback
+pp=2, two spawned ranks on one host joined by Gloo (zbpipe.launch, two loopback
 devices), 8 microbatches of 64 rows, fp32 CPU. Models (benchmarks/_split_models.py), per rank:
 `linear` = four nn.Linear(1024, 1024) (1F1B/ZB-H1/ZB-H2/zb_auto: one stage of four per rank;
 ZBV: two stages of two), `block` = two transformer encoder blocks (attention + MLP, d=512;
@@ -55,7 +55,7 @@ from torch import nn
 
 from _split_models import MODELS
 from zbpipe.bench.worker import measure_hop
-from zbpipe.train.launcher import run_local
+from zbpipe.launch import run_local
 
 PP = 2
 SCHEDULES = ("1f1b", "zb_h1", "zb_h2", "zbv", "zb_auto")

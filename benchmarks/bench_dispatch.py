@@ -41,7 +41,7 @@ from torch import nn
 
 import zbpipe
 from zbpipe.bench.worker import all_agree, sync_device
-from zbpipe.train.launcher import rank_device, run_local
+from zbpipe.launch import rank_device, run_local
 from zbpipe.train.model import Block, TinyConfig
 from zbpipe.train.pipeline import build_pipeline, local_stages, topology, training_schedules
 

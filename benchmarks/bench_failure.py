@@ -23,7 +23,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from zbpipe.train.launcher import run_local
+from zbpipe.launch import run_local
 
 
 class _FailingStage(nn.Module):

@@ -31,7 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zbpipe.train.launcher import run_local
+from zbpipe.launch import run_local
 
 ROWS, WIDTH = 4, 16
 

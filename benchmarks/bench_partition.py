@@ -6,7 +6,7 @@
 
 Three parts:
 
-planning  The search alone (zbpipe.partition._search: compile every default candidate schedule,
+planning  The search alone (zbpipe.partition.search_split: compile every default candidate schedule,
           then the core's search) for 80 units shaped like an LM (embedding, 78 layers, a head
           costing 4 layers) at pp=16, 32 microbatches; median of 3. Goal < 1 s.
 emulated  pp=4 Gloo ranks (spawned, one thread each), 16 microbatches, a model of EmulatedBlock
@@ -46,8 +46,8 @@ from torch import nn
 import zbpipe
 from zbpipe import _C
 from zbpipe.bench.emulated import EmulatedBlock
-from zbpipe.partition import DEFAULT_SCHEDULES, UnitCost, _programs, _search, unit_profile
-from zbpipe.train.launcher import run_local
+from zbpipe.partition import DEFAULT_SCHEDULES, UnitCost, candidate_programs, search_split, unit_profile
+from zbpipe.launch import run_local
 from zbpipe.train.metrics import SavedActivationMeter
 
 # ---- planning time ----------------------------------------------------------------------------
@@ -60,8 +60,8 @@ def planning_time(reps: int = 3) -> float:
     took = []
     for _ in range(reps):
         start = time.perf_counter()
-        programs, skipped = _programs(None, 16, 32, len(units))
-        plan = _search(units, programs, skipped, 16, 32, None, 0.0, 50_000)
+        programs, skipped = candidate_programs(None, 16, 32, len(units))
+        plan = search_split(units, programs, skipped, 16, 32, None, 0.0, 50_000)
         took.append(time.perf_counter() - start)
     print(f"planning: 80 units, pp=16, 32 microbatches, {len(programs)} candidate schedules "
           f"({plan.simulated} simulations, {'exact' if plan.exact else 'local search'}): "
@@ -131,7 +131,7 @@ def _brute_force(plan, pp, microbatches):
     import itertools
 
     profile = unit_profile(plan.units)
-    programs, _ = _programs(DEFAULT_SCHEDULES, pp, microbatches, len(plan.units))
+    programs, _ = candidate_programs(DEFAULT_SCHEDULES, pp, microbatches, len(plan.units))
     best = (float("inf"), None, None)
     count = 0
     for prog in programs:

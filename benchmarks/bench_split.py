@@ -49,7 +49,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from _split_models import MODELS, build
-from zbpipe.train.launcher import run_local
+from zbpipe.launch import run_local
 
 MICROBATCHES = 4  # of table 1's ZBV step
 

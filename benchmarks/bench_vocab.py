@@ -36,7 +36,7 @@ real      pp=2 Gloo ranks, one per core (sched_setaffinity) and one torch thread
 emulated  pp=4 and pp=8 Gloo ranks, EmulatedBlock units (zbpipe/bench/emulated.py: sleeps that
           leave the CPU alone): an embedding (0.1 layer), 4 layers per rank of F = I = W =
           --layer-ms, and a head of 4.9 (32k) or 24 (128k) layers (the issue's Llama at d=512).
-          The peer is the core's search (zbpipe.partition._search, plan_partition without its
+          The peer is the core's search (zbpipe.partition.search_split, plan_partition without its
           measuring) with the head a unit; the vocabulary-parallel split is the same search
           with every rank doing S = 2H / pp and T = H / pp (H = the head's F = I = W), a
           VocabParallelOutput of a 4-row-per-rank head sleeping those times. Both plans and
@@ -69,8 +69,8 @@ from torch import nn
 
 import zbpipe
 from zbpipe.bench.emulated import EmulatedBlock
-from zbpipe.partition import UnitCost, _programs, _search
-from zbpipe.train.launcher import run_local
+from zbpipe.partition import UnitCost, candidate_programs, search_split
+from zbpipe.launch import run_local
 
 MIB = 1024.0 ** 2
 
@@ -312,13 +312,13 @@ def _latencies(reps: int = 30) -> tuple[float, float]:
 def _emulated_rank(rank, size, schedule, layer_ms, head_layers, steps):
     m = 2 * size
     comm, collective = _latencies()
-    programs, skipped = _programs([schedule], size, m, 4 * size + 2)
-    peer_plan = _search(_units(size, layer_ms, head_layers, True), programs, skipped, size, m, None, comm, 20_000)
+    programs, skipped = candidate_programs([schedule], size, m, 4 * size + 2)
+    peer_plan = search_split(_units(size, layer_ms, head_layers, True), programs, skipped, size, m, None, comm, 20_000)
     h = head_layers * layer_ms * 1e-3
     vocab = dict(s=[2 * h / size] * size, t=[h / size] * size, mem_s=[0.0] * size, static_bytes=[0.0] * size,
                  collective=collective)
-    split_plan = _search(_units(size, layer_ms, head_layers, False), programs, skipped, size, m, None, comm, 20_000,
-                         vocab)
+    split_plan = search_split(_units(size, layer_ms, head_layers, False), programs, skipped, size, m, None, comm,
+                              20_000, vocab)
     split_plan.head = "head"
     x = torch.zeros(2 * m, WIDTH)
     configs, predicted = {}, {}

@@ -311,7 +311,7 @@ def check_memory(dev: torch.device) -> str:
 def _recovery_rank(rank: int, size: int, on_world: bool, stopped_s: float) -> dict:
     import torch.distributed as dist
 
-    from zbpipe.train.launcher import rank_device
+    from zbpipe.launch import rank_device
 
     dev = rank_device()
     m = 4
@@ -364,7 +364,7 @@ def check_recovery(dev: torch.device, stopped_s: float) -> str:
     then kept alive `stopped_s` seconds, its communicators aborted; rank 0 must raise within
     seconds (not wait for the watchdog); then both run the recovery recipe and a step on a new
     group, exact against one process. Once with the pipeline on WORLD, once on a new_group."""
-    from zbpipe.train.launcher import run_local
+    from zbpipe.launch import run_local
 
     if dev.type == "cuda" and torch.cuda.device_count() < 2:
         raise Outcome(SKIP, f"needs two GPUs (NCCL refuses two ranks on one), {torch.cuda.device_count()} here")

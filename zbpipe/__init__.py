@@ -4,6 +4,8 @@ Schedules are built, lowered, validated and simulated in C++ (``zbpipe._C``); a 
 runs them over a torch.distributed process group; this package keeps thin Python wrappers.
 """
 
+import sys as _sys
+
 import torch  # must load before _C: _C links against torch's libraries
 
 __version__ = "0.1.0"
@@ -45,11 +47,18 @@ from .schedules import (  # noqa: E402
     ScheduleZBVZeroBubble,
     get_schedule_class,
 )
-from .schedule_auto import ScheduleAuto  # noqa: E402
+from .tuning.schedule_auto import ScheduleAuto  # noqa: E402
 from .stage import PipelineStage  # noqa: E402
-from .stage_costs import profile_from_trace  # noqa: E402
+from .tuning.stage_costs import profile_from_trace  # noqa: E402
 from .vocab_embedding import VocabParallelEmbedding  # noqa: E402
 from .vocab_parallel import VocabParallelOutput  # noqa: E402
+from . import tuning  # noqa: E402
+
+# The tuning modules' old paths (before zbpipe/tuning/): zbpipe.schedule_auto is
+# zbpipe.tuning.schedule_auto, the module itself, so imports, attributes and patches all reach it.
+for _name in tuning.MODULES:
+    globals()[_name] = _sys.modules[f"{__name__}.{_name}"] = _sys.modules[f"{__name__}.tuning.{_name}"]
+del _name
 
 __all__ = [
     "Action",

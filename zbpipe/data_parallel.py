@@ -15,6 +15,12 @@ StageHandle.begin_gradient_sync in csrc/runtime/stage_handle.h):
   ``sync_end`` runs every parameter group's post-backward with sync on (the reduce-scatter)
   and the root's final callback, then reshards -- what torch.distributed.pipelining does for
   its REDUCE_GRAD action. The stage module itself must be the ``fully_shard``-ed root.
+  Under a MixedPrecisionPolicy whose reduce dtype differs from its param dtype (torchtitan's
+  bf16 params, fp32 reduce), FSDP's post-backward moves each backward's low-precision gradient
+  into a reduce-dtype accumulator. It runs when the module's input gradient is computed, which
+  is I under a split schedule, before that microbatch's W: so the adapter moves the gradient at
+  every accumulation (a post-accumulate-grad hook on each unsharded parameter), and W's
+  gradients of successive microbatches are summed in the reduce dtype, as B's are, not in bf16.
 """
 
 from __future__ import annotations
@@ -105,6 +111,7 @@ class _FSDP:
         self.module = module
         self.shape_module = None  # shape inference runs the real (unsharded) module
         self._saved = None
+        self._grad_hooks: list = []  # _hold_grads_in_reduce_dtype's, removed at the step's end
 
     def check(self, stage_index: int, split_backward: bool) -> None:
         pass
@@ -144,8 +151,28 @@ class _FSDP:
         for h in handles:
             if h is not None:
                 h.wait()
+        self._hold_grads_in_reduce_dtype()
+
+    def _hold_grads_in_reduce_dtype(self) -> None:
+        """What FSDP's post-backward does with sync off (accumulate into the reduce-dtype
+        gradient, or start it), after every accumulation into an unsharded parameter: a split
+        schedule's W accumulates after the post-backward of its microbatch ran (in I)."""
+        for m in self._fsdp_modules():
+            for pg in m._get_fsdp_state()._fsdp_param_groups:
+                for fp in pg.fsdp_params:
+                    if fp.reduce_dtype is None:
+                        continue  # no reduce dtype apart from the gradients': FSDP moves nothing
+
+                    def to_reduce_dtype(_param, fp=fp):
+                        fp.accumulate_unsharded_grad_if_needed()
+                        fp.to_accumulated_grad_if_needed()
+
+                    self._grad_hooks.append(fp.unsharded_param.register_post_accumulate_grad_hook(to_reduce_dtype))
 
     def _restore(self) -> None:
+        for h in self._grad_hooks:
+            h.remove()
+        self._grad_hooks = []
         saved, self._saved = self._saved, None
         if saved is None:
             return

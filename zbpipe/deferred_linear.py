@@ -23,10 +23,14 @@ import torch.nn.functional as F
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    """Into .grad, then the parameter's post-accumulate-grad hooks, as autograd's AccumulateGrad
+    runs them (FSDP mixed precision's move into the reduce dtype is one: data_parallel.py)."""
     if p.grad is None:
         p.grad = g
     else:
         p.grad += g
+    for hook in list((p._post_accumulate_grad_hooks or {}).values()):
+        hook(p)
 
 
 class _LinearWeightGrad:

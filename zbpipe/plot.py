@@ -151,7 +151,7 @@ def _vocab(action: _C.Action) -> bool:
 _COLLECTIVES = (_C.Kind.BCAST_F, _C.Kind.ALLREDUCE_S, _C.Kind.REDUCE_B, _C.Kind.REDUCE_E, _C.Kind.BCAST_E)
 
 
-def _lighter(color: str, amount: float = 0.45) -> tuple[float, float, float]:
+def lighter(color: str, amount: float = 0.45) -> tuple[float, float, float]:
     rgb = [int(color[i : i + 2], 16) / 255 for i in (1, 3, 5)]
     return tuple(c + (1 - c) * amount for c in rgb)
 
@@ -182,7 +182,7 @@ def figure(boxes: list[Box], arrows: list[Arrow], pp: int, *, size=(1600, 400), 
                            facecolors=COMM_COLOR)
             continue
         color = COLORS.get(b.kind, "#999999")
-        face = _lighter(color) if b.chunk % 2 == 1 else color
+        face = lighter(color) if b.chunk % 2 == 1 else color
         ax.broken_barh([(b.start, b.end - b.start)], (row(b.rank) - 0.3, 0.7),
                        facecolors=[face], edgecolors="white", linewidth=0.5)
         if (b.end - b.start) * px_per_unit >= 7 * len(b.label) + 2:
@@ -216,7 +216,7 @@ def legend_handles(boxes: list[Box], comm: bool = False) -> list:
     handles = [Patch(color=COLORS.get(k, "#999999"), label=k) for k in kinds]
     if any(b.chunk % 2 for b in boxes):
         handles += [Patch(color="#777777", label="dark: the rank's first stage"),
-                    Patch(color=_lighter("#777777"), label="light: its second stage")]
+                    Patch(color=lighter("#777777"), label="light: its second stage")]
     if comm:
         handles.append(Patch(color=COMM_COLOR, label="communication"))
     return handles

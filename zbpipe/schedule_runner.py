@@ -20,9 +20,10 @@ from typing import Callable
 import torch.distributed as dist
 
 from . import _C
+from .control_plane import gloo_control_group, warn_if_default_nccl_group, warn_if_polled
 from .device_checks import check_stages
 from .group_timeout import warn_if_not_below
-from .memory_probe import MemoryProbe, chrome_memory_events
+from .tuning.memory_probe import MemoryProbe, chrome_memory_events
 from .step_data import StepData, input_signature
 
 
@@ -176,12 +177,15 @@ class ExecutorRunner:
             sync_groups = self._sync_groups(train)
             check_stages(self._stages, self._group)
             warn_if_not_below(self.options.timeout_s, [self._group, *_flat(sync_groups)], self._stages[0].device)
+            warn_if_default_nccl_group(self._group, self._stages[0].device)
+            warn_if_polled(self._group)
             ex = _C.Executor(
                 program, self._group, {s.stage_index: s for s in self._stages}, self._stages[0].device,
                 options=self.options, global_rank=self._world[0], group_ranks=self._world[1],
                 sync_groups=sync_groups,
                 vocab=self._vocab if any(a.kind == _C.Kind.S for a in program.action_values(0)) else None,
-                embedding=self._embedding if any(a.kind == _C.Kind.E for a in program.action_values(0)) else None)
+                embedding=self._embedding if any(a.kind == _C.Kind.E for a in program.action_values(0)) else None,
+                control_group=gloo_control_group)
         except Exception as e:  # tell the peers, whatever the device: they would wait for this rank
             what = f"{type(e).__name__}: {e}"
             _C.Executor.report_setup_failure(self._group, _flat(self._sync_groups(train)), self._world[0], what)

@@ -153,7 +153,7 @@ class PipelineSchedule:
         compile_options: extra zbpipe.compile() arguments, e.g. for zb_auto
             dict(f=..., b=..., w=..., comm=..., memory_cap=...) (measured stage costs).
         measure_memory: measure every training step's memory deltas per local stage
-            (memory_profile(); zbpipe/memory_probe.py). Off by default: a probing step runs a
+            (memory_profile(); zbpipe/tuning/memory_probe.py). Off by default: a probing step runs a
             saved-tensor pack hook in each forward and a call into Python after each I.
         **options: the executor's options (zbpipe._C.ExecutorOptions; below, and with their
             defaults in the signature), gathered into one ExecutorOptions that every executor

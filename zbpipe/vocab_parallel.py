@@ -8,9 +8,13 @@ it as ``output=`` runs the head's S and T passes and their collectives as action
 
 from __future__ import annotations
 
+import datetime
+
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from . import control_plane
 
 
 class VocabParallelOutput(nn.Module):
@@ -26,6 +30,12 @@ class VocabParallelOutput(nn.Module):
         data_parallel_group: with data-parallel pipeline replicas (DDP or FSDP stages), the group
             of this rank's replicas: after each training step the shard's gradients are averaged
             over it, as DDP averages a stage's.
+        collective_group: on a stream-ordered pipeline (NCCL, or ``stream_ordered=True``), the
+            group the head's collectives run on: the pipeline's ranks in its order, on a
+            communicator of their own (on the pipeline's one they would deadlock:
+            docs/vocab_parallel.md). None: zbpipe makes one at the first step, of the pipeline
+            group's backend (NCCL or Gloo) over its store. Unused on Gloo pipelines, whose
+            collectives go over ``group``.
 
     Use: remove the head from the last stage (which then returns the hidden states after the
     final norm), give ``output=VocabParallelOutput(head)`` to any schedule class instead of
@@ -36,7 +46,8 @@ class VocabParallelOutput(nn.Module):
     """
 
     def __init__(self, head: nn.Linear, group: dist.ProcessGroup | None = None, ignore_index: int = -100, *,
-                 data_parallel_group: dist.ProcessGroup | None = None):
+                 data_parallel_group: dist.ProcessGroup | None = None,
+                 collective_group: dist.ProcessGroup | None = None):
         super().__init__()
         if not isinstance(head, nn.Linear):
             raise TypeError(f"VocabParallelOutput: head must be an nn.Linear (hidden width -> vocabulary), got "
@@ -50,6 +61,11 @@ class VocabParallelOutput(nn.Module):
         begin, end = rank * vocab // pp, (rank + 1) * vocab // pp
         self.group = group
         self.data_parallel_group = data_parallel_group
+        if collective_group is not None and (collective_group.size(), collective_group.rank()) != (pp, rank):
+            raise ValueError(f"VocabParallelOutput: collective_group has rank {collective_group.rank()} of "
+                             f"{collective_group.size()}, the pipeline group {rank} of {pp}: it must hold the "
+                             f"pipeline's ranks in the same order")
+        self.collective_group = collective_group
         self.shard_range = (begin, end)
         self.vocab_size = vocab
         self.in_features = width
@@ -87,6 +103,27 @@ class VocabParallelOutput(nn.Module):
     def _zb_targets(self, step) -> list[torch.Tensor]:
         """The executor's call at a step's start (csrc/python/py_vocab.h)."""
         return step.targets
+
+    def _zb_collective_group(self, pipeline, store, timeout_s: float):
+        """The executor's call on a stream-ordered pipeline, at its first step (csrc/python/
+        py_vocab.h): ``collective_group``, else a new group of the pipeline group's backend over
+        ``store`` (prefixed for it; every rank of the pipeline makes it now), else None."""
+        if self.collective_group is not None:
+            return self.collective_group
+        if store is None:
+            return None
+        rank, size = pipeline.rank(), pipeline.size()
+        kinds = {control_plane.backend_name(pipeline, d) for d in ("cpu", "cuda")}
+        if "nccl" in kinds:  # the pipeline's own kind: the head's tensors are on its device
+            options = dist.ProcessGroupNCCL.Options()
+            options._timeout = datetime.timedelta(seconds=timeout_s)
+            backend = dist.ProcessGroupNCCL(store, rank, size, options)
+            group = dist.ProcessGroup(store, rank, size)
+            group._register_backend(torch.device("cuda"), dist.ProcessGroup.BackendType.NCCL, backend)
+            return group
+        if "gloo" in kinds:
+            return control_plane.gloo_control_group(store, rank, size, timeout_s)
+        return None
 
     def _sync_gradients(self) -> None:
         """After a training step: the shard's gradients averaged over the data-parallel group."""

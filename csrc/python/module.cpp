@@ -23,6 +23,7 @@
 #include "zbpipe/passes.h"
 #include "zbpipe/program_io.h"
 #include "runtime/checkpoint_once.h"
+#include "runtime/control_plane_rank.h"
 #include "runtime/errors.h"
 
 namespace py = pybind11;
@@ -236,10 +237,11 @@ void register_runtime(py::module_& m) {
       .def(py::init(&make_executor), py::arg("program"), py::arg("process_group"), py::arg("stages"),
            py::arg("device"), py::kw_only(), py::arg("options") = py::none(), py::arg("global_rank") = -1,
            py::arg("group_ranks") = std::vector<int>{}, py::arg("sync_groups") = py::dict(),
-           py::arg("vocab") = py::none(), py::arg("embedding") = py::none(),
+           py::arg("vocab") = py::none(), py::arg("embedding") = py::none(), py::arg("control_group") = py::none(),
            "`stages`: global stage index -> PipelineStage; `options`: an ExecutorOptions (None: the "
            "defaults), any of its fields also by name; `vocab`: the schedule's VocabParallelOutput, or None; "
-           "`embedding`: its VocabParallelEmbedding, or None.")
+           "`embedding`: its VocabParallelEmbedding, or None; `control_group`: a callable (store, rank, size, "
+           "timeout_s) -> ProcessGroup making the CPU control groups (zbpipe/control_plane.py), or None.")
       .def("run", &run_step, py::arg("step"), py::arg("first_inputs") = py::none(), py::arg("loss_scale") = 1.0,
            "Runs one step on `step` (handed to every stage call); returns (outputs, losses) of the "
            "last stage per microbatch on its rank, else ([], []). The GIL is released; stage calls "
@@ -271,6 +273,29 @@ void register_runtime(py::module_& m) {
       .def("chrome_trace", &chrome_trace)
       .def("export_chrome_trace", &export_chrome_trace, py::arg("path"));
 
+  py::class_<runtime::ControlPlaneRank>(m, "_ControlPlaneRank",
+      "One rank's store-facing control plane without an executor (csrc/runtime/control_plane_rank.h): "
+      "for the control-plane benchmark.")
+      .def(py::init<c10::intrusive_ptr<c10d::Store>, int, int, c10::intrusive_ptr<c10d::Store>, int, int, int>(),
+           py::arg("pp_store"), py::arg("pp_rank"), py::arg("pp"), py::arg("dp_store"), py::arg("dp_rank"),
+           py::arg("dp"), py::arg("rank"), py::call_guard<py::gil_scoped_release>())
+      .def("agree", [](runtime::ControlPlaneRank& r, const std::string& fp, double timeout_s) {
+             r.agree(fp, std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+           }, py::arg("fingerprint"), py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def("meet", [](runtime::ControlPlaneRank& r, double timeout_s) {
+             r.meet(std::chrono::milliseconds(static_cast<int64_t>(timeout_s * 1000)));
+           }, py::arg("timeout_s"), py::call_guard<py::gil_scoped_release>())
+      .def("fail", &runtime::ControlPlaneRank::fail, py::arg("message"), py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("seen_at_ns", &runtime::ControlPlaneRank::seen_at_ns,
+                             "When a peer's failure was first heard of (steady clock ns), or -1.")
+      .def_property_readonly("seen", &runtime::ControlPlaneRank::seen);
+  m.def("_steady_clock_ns", [] {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  }, "The steady clock the control plane's times use, in ns (CLOCK_MONOTONIC: one per machine).");
+
+  m.def("_store_polled", &store_polled, py::arg("group"),
+        "Whether the group's store lacks blocking waits (FileStore, custom stores): zbpipe then polls it.");
+
   m.def("_dispatch_table", &runtime::dispatch_rows, py::arg("program"), py::arg("rank"), py::arg("overlap_f_b") = true,
         "The executor's dispatch table of `rank` as (entries, comms) tuples (csrc/runtime/dispatch.h).");
 
@@ -288,6 +313,18 @@ void register_runtime(py::module_& m) {
            "Times `rank`'s host blocked on a work (its 'sync' events) since clear_events.")
       .def("aborts", &runtime::LoopbackWorld::aborts, py::arg("rank"),
            "How often the group of `rank` was aborted (ProcessGroup::abort).")
+      .def("work_aborts", &runtime::LoopbackWorld::work_aborts, py::arg("rank"),
+           "How often a work of `rank` was aborted (Work::abort).")
+      .def("aborts_in_coalescing", &runtime::LoopbackWorld::aborts_in_coalescing, py::arg("rank"),
+           "How often the group of `rank` was aborted inside one of its coalesced posts.")
+      .def("in_coalescing", &runtime::LoopbackWorld::in_coalescing, py::arg("rank"),
+           "Whether `rank` is inside a coalesced post now.")
+      .def("hold_coalesced_posts", &runtime::LoopbackWorld::hold_coalesced_posts, py::arg("rank"), py::arg("seconds"),
+           "From now on the coalesced posts of `rank` stay open `seconds` before they end.")
+      .def("slow_aborts", &runtime::LoopbackWorld::slow_aborts, py::arg("seconds"),
+           "From now on a group abort takes `seconds`.")
+      .def("store_requests", &runtime::LoopbackWorld::store_requests,
+           "Requests made to the world's store so far (store=True), by operation.")
       .def("settles", &runtime::LoopbackWorld::settles, py::arg("rank"),
            "Positions in events(rank) where P2P began to settle (a step's end), since clear_events.")
       .def("events", &loopback_events, py::arg("rank"),

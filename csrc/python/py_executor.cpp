@@ -10,6 +10,7 @@
 #include "python/step_interrupt.h"
 #include "runtime/replica_barrier.h"
 #include "runtime/p2p.h"
+#include "runtime/store_inbox.h"
 #include "runtime/trace.h"
 
 namespace zbpipe::python {
@@ -118,7 +119,7 @@ std::unique_ptr<runtime::Executor> make_executor(
     const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
     const py::dict& stages, const at::Device& device, const std::optional<PyExecutorOptions>& options,
     int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups, const py::object& vocab,
-    const py::object& embedding, const py::kwargs& fields) {
+    const py::object& embedding, py::object control_group, const py::kwargs& fields) {
   std::map<int, std::shared_ptr<runtime::StageHandle>> handles;
   for (auto [index, stage] : stages)
     handles[index.cast<int>()] = std::make_shared<PyStage>(py::reinterpret_borrow<py::object>(stage));
@@ -129,6 +130,7 @@ std::unique_ptr<runtime::Executor> make_executor(
   executor_options.sync_groups = sync_groups_from_py(sync_groups);
   if (!vocab.is_none()) executor_options.vocab = std::make_shared<PyVocab>(vocab);
   if (!embedding.is_none()) executor_options.embedding = std::make_shared<PyEmbed>(embedding);
+  executor_options.control_group = control_group_factory(std::move(control_group));
   return std::make_unique<runtime::Executor>(
       program, std::make_unique<runtime::P2P>(process_group, device, chosen.p2p), std::move(handles),
       std::move(executor_options));
@@ -155,6 +157,26 @@ py::tuple run_step(runtime::Executor& executor, py::object step, py::object firs
   for (const auto& loss : result.losses)
     losses.append(loss.defined() ? py::cast(loss) : py::none());
   return py::make_tuple(outputs, losses);
+}
+
+runtime::ControlGroupFactory control_group_factory(py::object fn) {
+  if (fn.is_none()) return {};
+  // The executor may drop its options on any thread: the callable goes with the GIL taken.
+  std::shared_ptr<py::object> held(new py::object(std::move(fn)), [](py::object* o) {
+    py::gil_scoped_acquire gil;
+    delete o;
+  });
+  return [held](const c10::intrusive_ptr<c10d::Store>& store, int rank, int size, std::chrono::milliseconds timeout) {
+    py::gil_scoped_acquire gil;
+    py::object group = (*held)(store, rank, size, timeout.count() / 1000.0);
+    return group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+  };
+}
+
+bool store_polled(const c10::intrusive_ptr<c10d::ProcessGroup>& group) {
+  ZB_CHECK(group && group->getStore(), "a process group with a store is required");
+  py::gil_scoped_release nogil;  // one request to the store
+  return runtime::store_waits(*group->getStore()) == runtime::StoreWaits::Polled;
 }
 
 void set_custom_actions(runtime::Executor& executor, py::object fn, const std::vector<Kind>& kinds) {

@@ -77,12 +77,22 @@ class ExecutorOptionsClass {
 // (each wrapped in a PyStage); `options` an ExecutorOptions (None: the defaults), `fields` any
 // of its fields by name on top of it; `sync_groups` maps a stage index to the list of its
 // data-parallel process groups; `vocab` the schedule's zbpipe.VocabParallelOutput (a PyVocab);
-// `embedding` its zbpipe.VocabParallelEmbedding (a PyEmbed).
+// `embedding` its zbpipe.VocabParallelEmbedding (a PyEmbed); `control_group`, a callable (store,
+// rank, size, timeout_s) -> ProcessGroup (zbpipe/control_plane.py), makes the CPU control groups
+// (ExecutorOptions::control_group; None: only backends that bring their own).
 std::unique_ptr<runtime::Executor> make_executor(
     const Program& program, const c10::intrusive_ptr<c10d::ProcessGroup>& process_group,
     const py::dict& stages, const at::Device& device, const std::optional<PyExecutorOptions>& options,
     int global_rank, std::vector<int> group_ranks, const py::dict& sync_groups, const py::object& vocab,
-    const py::object& embedding, const py::kwargs& fields);
+    const py::object& embedding, py::object control_group, const py::kwargs& fields);
+
+// A Python callable (store, rank, size, timeout_s) -> ProcessGroup as a ControlGroupFactory:
+// called with the GIL taken; the callable is released with the GIL too. None: an empty one.
+runtime::ControlGroupFactory control_group_factory(py::object fn);
+
+// _C._store_polled(group): whether `group`'s store lacks blocking waits (FileStore, custom
+// stores), so the control plane polls it (store_inbox.h). Asks the store once.
+bool store_polled(const c10::intrusive_ptr<c10d::ProcessGroup>& group);
 
 // Executor.run(step, first_inputs, loss_scale): runs one step on `step` (the Python step data
 // every stage call receives) with the GIL released; `first_inputs` is the (specs, structure)

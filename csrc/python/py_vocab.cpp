@@ -3,6 +3,8 @@
 
 #include "python/py_stage.h"
 
+#include <torch/csrc/distributed/c10d/PrefixStore.hpp>
+
 namespace zbpipe::python {
 
 PyVocab::PyVocab(py::object output) : output_(std::move(output)) {
@@ -39,6 +41,18 @@ std::vector<at::Tensor> PyVocab::targets(const runtime::StepData& step) {
   py::gil_scoped_acquire gil;
   return guarded([&] { return output_.attr("_zb_targets")(step_object(step)).cast<std::vector<at::Tensor>>(); },
                  "the vocabulary-parallel output");
+}
+
+c10::intrusive_ptr<c10d::ProcessGroup> PyVocab::collective_group(
+    const c10::intrusive_ptr<c10d::ProcessGroup>& pipeline, const std::string& name, std::chrono::milliseconds timeout) {
+  py::gil_scoped_acquire gil;
+  return guarded([&] {
+    c10::intrusive_ptr<c10d::Store> store;
+    if (pipeline->getStore()) store = c10::make_intrusive<c10d::PrefixStore>(name, pipeline->getStore());
+    py::object group = output_.attr("_zb_collective_group")(pipeline, store, timeout.count() / 1000.0);
+    return group.is_none() ? c10::intrusive_ptr<c10d::ProcessGroup>()
+                           : group.cast<c10::intrusive_ptr<c10d::ProcessGroup>>();
+  }, "the vocabulary-parallel output");
 }
 
 }  // namespace zbpipe::python

@@ -25,6 +25,10 @@ class PyVocab final : public runtime::VocabHandle {
   at::Tensor weight() override;
   at::Tensor bias() override;
   std::vector<at::Tensor> targets(const runtime::StepData& step) override;
+  // VocabParallelOutput._zb_collective_group(pipeline, store under `name`, timeout_s).
+  c10::intrusive_ptr<c10d::ProcessGroup> collective_group(const c10::intrusive_ptr<c10d::ProcessGroup>& pipeline,
+                                                          const std::string& name,
+                                                          std::chrono::milliseconds timeout) override;
 
  private:
   py::object output_;

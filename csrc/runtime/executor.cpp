@@ -70,11 +70,9 @@ Executor::Executor(Program program, std::unique_ptr<P2P> p2p,
                       "complete on the host (Gloo) so far; this group (", p2p_->backend_name(), ") is stream-ordered");
     embed_ = std::make_unique<EmbedRun>(*p2p_, options_.embedding, program_);
   }
-  if (options_.vocab) {
-    ZB_SCHEDULE_CHECK(!p2p_->stream_ordered(), "vocabulary parallelism runs on backends whose messages complete "
-                      "on the host (Gloo) so far; this group (", p2p_->backend_name(), ") is stream-ordered");
-    vocab_ = std::make_unique<VocabRun>(*p2p_, options_.vocab, program_);
-  }
+  // Stream-ordered backends: its collectives get a group of their own at the first step
+  // (open_vocab_collectives).
+  if (options_.vocab) vocab_ = std::make_unique<VocabRun>(*p2p_, options_.vocab, program_);
   // Stream-ordered backends: refuse a program whose posts would deadlock there (a send
   // completes only once its receive is posted), before any message.
   if (p2p_->stream_ordered() && program_.pp > 1) validate_rendezvous(program_);
@@ -139,7 +137,7 @@ StepResult Executor::run(const StepData& data, const Signature& first_inputs, do
     ~StepScope() {
       ex.step_.data = nullptr;
       ex.step_.result = nullptr;
-      ex.failures_.disarm();  // the watcher polls only while a step runs
+      ex.failures_.disarm();  // polled stores: the watcher looks less often between steps
     }
   } scope{*this};
   step_.data = &data;
@@ -175,6 +173,7 @@ void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
     ensure_watch();
     failures_.arm();
     const std::function<void()> stop = [this] { failures_.check_stop(); };
+    const std::function<P2P&()> control = [this]() -> P2P& { return this->control(); };
     agreement_.before_step({.data = *step_.data,
                             .first_inputs = first_inputs,
                             .number = failures_.step(),
@@ -182,8 +181,10 @@ void Executor::begin_step(const Signature& first_inputs, double loss_scale) {
                             .watch = failures_.watch(),
                             .id = failures_.id(),
                             .stage0_rank = failures_.global(program_.rank_of(0)),
-                            .check_stop = stop});
+                            .check_stop = stop,
+                            .control = control});
     meet_replicas_at_start();
+    open_vocab_collectives();
     if (vocab_) {  // the root checks that the last stage's agreed output is the head's input
       const std::vector<TensorSpec>* hidden = nullptr;
       for (const LocalStage& st : stages_)
@@ -288,6 +289,9 @@ void Executor::check_comms(int index, bool finish) {
 
 void Executor::end_step() {
   check_comms(kStepEnd, true);
+  if (vocab_) or_fail_step(kStepEnd, [&] { vocab_->finish(); });
+  // A peer's failure published before this step's end fails it, on a polled store too.
+  or_fail_step(kStepEnd, [&] { failures_.check_before_success(); });
   clear_slots();  // every batch completed: drop the step's tensors
   timer_->collect(trace_);
   for (auto& st : stages_) {

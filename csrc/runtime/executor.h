@@ -30,6 +30,7 @@
 #include <string>
 #include <vector>
 
+#include "runtime/control_group.h"
 #include "runtime/custom_run.h"
 #include "runtime/device.h"
 #include "runtime/dispatch.h"
@@ -76,6 +77,9 @@ struct ExecutorOptions {
   // Call StageHandle::backward_input_done after every I (Executor::set_memory_probe; off by
   // default: a probe costs a call into the front end per I).
   bool memory_probe = false;
+  // Makes the CPU control groups that carry each step's input signature and the replicas'
+  // meetings (control_group.h), where the group's backend provides none (the binding: Gloo).
+  ControlGroupFactory control_group;
   // This rank's shard of the vocabulary-parallel head: required exactly when the program has
   // vocabulary actions (vocab.h), which run on backends whose messages complete on the host.
   std::shared_ptr<VocabHandle> vocab;
@@ -213,9 +217,16 @@ class Executor {
   // The failure watch on first use (groups of 2+ ranks, or data-parallel stages) and, with it,
   // the meeting points of each data-parallel stage's replicas.
   void ensure_watch();
-  // Tears the step down (abort_communication, abandon_in_flight), then StepFailures::fail:
-  // throws PipelineError naming the failing action (`index`: its index, kStepStart or
-  // kStepEnd) and the cause `ex`, its text after `prefix`; Cancelled when interrupted.
+  // The pipeline's control messages (each step's input signature), opened at their first use.
+  P2P& control();
+  // Stream-ordered backends, once (a step's start, every rank there): the vocabulary head's
+  // collectives on a group of their own (vocab_run.h): the backend's own where it provides
+  // side groups (the loopback world), else the front end's (VocabHandle::collective_group).
+  void open_vocab_collectives();
+  // Tells the peers first (StepFailures::publish), then tears the step down
+  // (abort_communication, abandon_in_flight) and throws PipelineError naming the failing action
+  // (`index`: its index, kStepStart or kStepEnd) and the cause `ex`, its text after `prefix`;
+  // Cancelled when interrupted.
   [[noreturn]] void fail_step(int index, const std::exception& ex, const char* prefix = "");
   // Runs `f`; a std::exception it throws fails the step at `index`, its text after `prefix`.
   template <typename F>
@@ -235,8 +246,9 @@ class Executor {
   void abandon_in_flight();
   // A failing rank's own communicators: its P2P batches (and, on accelerators or a backend
   // modelling one, the pipeline group's communicators, on which the compute stream may
-  // already wait for a receive that never comes), and the data-parallel groups of the stage
-  // whose gradient sync was running (a collective the replicas will not finish).
+  // already wait for a receive that never comes), its control messages, and the data-parallel
+  // groups of the stage whose gradient sync was running (a collective the replicas will not
+  // finish).
   void abort_communication();
   void clear_slots();
 
@@ -270,6 +282,11 @@ class Executor {
   Overlap overlap_;
   GradientSync sync_;
   StepFailures failures_;    // the watch, the step count, the interrupt, the report
+  // The control P2Ps (the pipeline's, the replicas' groups'), aborted with the communication.
+  std::shared_ptr<ControlLinks> links_ = std::make_shared<ControlLinks>();
+  std::shared_ptr<P2P> control_;  // the pipeline's, once opened
+  std::shared_ptr<P2P> vocab_collectives_;  // stream-ordered backends: the head's, once opened
+  std::vector<std::shared_ptr<ReplicaGroup>> replica_groups_;  // per data-parallel group, once watched
   StepAgreement agreement_;  // program fingerprints and the known shape sets
   CustomRun custom_;         // register_custom_function's handler and the parts it ran
   std::unique_ptr<VocabRun> vocab_;  // the vocabulary head's passes (vocab.h), or null

@@ -16,12 +16,15 @@ void Executor::ensure_watch() {
     for (const auto& g : st.sync_groups)
       if (std::find(groups.begin(), groups.end(), g) == groups.end()) groups.push_back(g);
   P2P* p2p = p2p_.get();
-  const bool host = p2p_->device().is_cpu();
-  const auto ids = failures_.start_watch(p2p_->store(), groups, [p2p, groups, host] {
+  // Accelerators, or a backend modelling one: their communicators end a collective in flight
+  // only when aborted. (Gloo cannot abort one: the replicas' meetings keep them out of it.)
+  const bool abort_groups = p2p_->aborts_group();
+  // A peer's failure, in a step or between steps: this rank's waits end now, and so does a
+  // collective of the trainer's own blocked on these groups (an all-reduce after the step).
+  const auto ids = failures_.start_watch(p2p_->store(), p2p_->size(), groups, [p2p, groups, links = links_, abort_groups] {
     p2p->abort_all();
-    // Accelerators: a data-parallel collective in flight ends only with its communicator.
-    // (Gloo cannot abort one: the replicas' barrier keeps them out of it instead.)
-    if (!host)
+    links->abort_all();
+    if (abort_groups)
       for (const auto& g : groups) {
         try {
           g->abort();
@@ -30,13 +33,52 @@ void Executor::ensure_watch() {
       }
   });
   if (!ids) return;
-  for (auto& st : stages_) {  // each stage's replicas meet under its group's executor id
+  replica_groups_.clear();
+  for (size_t i = 0; i < groups.size(); ++i)  // the watch's channel i + 1
+    replica_groups_.push_back(std::make_shared<ReplicaGroup>(groups[i], *failures_.watch(), i + 1,
+                                                             detail::str("zbpipe/x", (*ids)[i], "/control/"),
+                                                             options_.control_group, *links_));
+  for (auto& st : stages_) {  // each stage's replicas meet on its groups
     st.replicas.clear();
-    for (const auto& g : st.sync_groups) {
-      const int64_t id = (*ids)[std::find(groups.begin(), groups.end(), g) - groups.begin()];
-      st.replicas.emplace_back(g, detail::str("zbpipe/x", id, "/stage", st.stage, "/replicas"));
-    }
+    for (const auto& g : st.sync_groups)
+      st.replicas.emplace_back(replica_groups_[std::find(groups.begin(), groups.end(), g) - groups.begin()], st.stage);
   }
+}
+
+void Executor::open_vocab_collectives() {
+  if (!vocab_ || vocab_collectives_ || !p2p_->stream_ordered() || program_.pp == 1) return;
+  const std::string name = detail::str("zbpipe/x", failures_.id(), "/vocab/");
+  const auto& pipeline = p2p_->group();
+  c10::intrusive_ptr<c10d::ProcessGroup> group = options_.vocab->collective_group(pipeline, name, options_.timeout);
+  if (!group) {
+    c10::intrusive_ptr<c10d::Backend> backend;
+    try {
+      backend = pipeline->getBackend(c10::DeviceType::CPU);
+    } catch (const std::exception&) {
+    }
+    if (auto* own = dynamic_cast<ProvidesControlGroups*>(backend.get())) group = own->control_group(name);
+  }
+  ZB_SCHEDULE_CHECK(group, "the vocabulary-parallel head's collectives need a process group of their own on this "
+                    "stream-ordered backend (", p2p_->backend_name(), "), of the pipeline's ranks: give "
+                    "VocabParallelOutput(..., collective_group=dist.new_group(ranks))");
+  ZB_SCHEDULE_CHECK(group->getSize() == pipeline->getSize() && group->getRank() == pipeline->getRank(),
+                    "the vocabulary head's collective group has rank ", group->getRank(), " of ", group->getSize(),
+                    ", the pipeline group ", pipeline->getRank(), " of ", pipeline->getSize(),
+                    ": it must hold the pipeline's ranks in the same order");
+  P2POptions options;
+  options.stream_ordered = true;
+  vocab_collectives_ = std::make_shared<P2P>(group, p2p_->device(), options);
+  links_->add(vocab_collectives_);  // aborted and abandoned with the rest of the communication
+  vocab_->set_collectives(*vocab_collectives_);
+}
+
+P2P& Executor::control() {
+  if (!control_) {
+    control_ = open_control(p2p_->group(), detail::str("zbpipe/x", failures_.id(), "/control/"),
+                            options_.control_group, options_.timeout);
+    links_->add(control_);
+  }
+  return *control_;
 }
 
 void Executor::meet_replicas(const Entry& e) {
@@ -55,9 +97,10 @@ void Executor::meet_replicas_at_start() {
 }
 
 void Executor::fail_step(int index, const std::exception& ex, const char* prefix) {
+  const StepFailures::Report report = failures_.publish(index, ex, prefix);  // the peers learn it first
   abort_communication();
   abandon_in_flight();
-  failures_.fail(index, ex, prefix);
+  StepFailures::raise(report);
 }
 
 void Executor::abandon_in_flight() {
@@ -69,11 +112,13 @@ void Executor::abandon_in_flight() {
   }
   overlap_.index = -1;
   comms_->abandon();
+  links_->abandon_all();
   clear_slots();
 }
 
 void Executor::abort_communication() {
   p2p_->abort_all();
+  links_->abort_all();
   if (sync_.running < 0) return;
   for (const auto& g : stages_[sync_.running].sync_groups) {
     try {
@@ -91,8 +136,9 @@ void Executor::clear_slots() {
 }
 
 void Executor::interrupt() {
-  failures_.interrupt();
-  p2p_->abort_all();  // a wait blocked now returns; the step then fails as interrupted
+  failures_.interrupt();  // wakes a wait on the watch (the program agreement, a first meeting)
+  p2p_->abort_all();      // a wait blocked now returns; the step then fails as interrupted
+  links_->abort_all();
 }
 
 void Executor::report_failure(const std::string& what) {

@@ -1,11 +1,8 @@
-// FailureWatch: one compare-and-set key per executor and channel, polled by a watcher thread
-// during steps, each failure forwarded to the other channels.
+// FailureWatch: one compare-and-set failure key per executor and channel, one inbox per rank
+// read by a watcher thread, each failure forwarded to the other channels; liveness pings.
 #include "runtime/failure_watch.h"
 
 #include <torch/csrc/distributed/c10d/Store.hpp>
-
-#include <algorithm>
-#include <atomic>
 
 #include "zbpipe/error.h"
 
@@ -14,13 +11,11 @@ namespace zbpipe::runtime {
 namespace {
 
 // rank \n interrupted \n step \n where \n message (the message last: it may hold newlines).
-std::vector<uint8_t> encode(const StepFailure& f) {
-  std::string s = detail::str(f.rank, "\n", f.interrupted ? 1 : 0, "\n", f.step, "\n", f.where, "\n", f.message);
-  return {s.begin(), s.end()};
+std::string encode(const StepFailure& f) {
+  return detail::str(f.rank, "\n", f.interrupted ? 1 : 0, "\n", f.step, "\n", f.where, "\n", f.message);
 }
 
-std::optional<StepFailure> decode(const std::vector<uint8_t>& v) {
-  std::string s(v.begin(), v.end());
+std::optional<StepFailure> decode(const std::string& s) {
   size_t at[4];
   size_t from = 0;
   for (size_t& a : at) {
@@ -41,8 +36,20 @@ std::optional<StepFailure> decode(const std::vector<uint8_t>& v) {
   return f;
 }
 
-constexpr size_t kMaxMessage = 6000;  // the store is no place for a whole program grid
+std::vector<uint8_t> bytes(const std::string& s) { return {s.begin(), s.end()}; }
 
+constexpr size_t kMaxMessage = 6000;  // the store is no place for a whole program grid
+const char* const kStop = "stop";
+const char* const kFailure = "failure";
+
+// Reads `key` in one request that never blocks: a compare-and-set that cannot match (a missing
+// key gives back the expected value, which no writer sets).
+std::optional<std::string> peek(c10d::Store& store, const std::string& key) {
+  static const std::vector<uint8_t> absent = bytes("\x01zbpipe:absent");
+  auto v = store.compareSet(key, absent, absent);
+  if (v == absent) return std::nullopt;
+  return std::string(v.begin(), v.end());
+}
 
 }  // namespace
 
@@ -52,26 +59,51 @@ std::string StepFailure::describe() const {
 }
 
 std::string failure_key(int64_t id) { return detail::str("zbpipe/x", id, "/failure"); }
+std::string inbox_key(int64_t id, int rank) { return detail::str("zbpipe/x", id, "/inbox/rank", rank); }
+std::string liveness_key(int rank) { return detail::str("zbpipe/alive/rank", rank); }
 
-FailureWatch::FailureWatch(std::vector<FailureChannel> channels, int rank, std::function<void()> on_peer_failure,
-                           std::chrono::milliseconds poll, int group_rank)
-    : channels_(std::move(channels)),
-      rank_(rank),
-      group_rank_(group_rank),
-      on_peer_failure_(std::move(on_peer_failure)),
-      poll_(poll) {
-  ZB_CHECK(!channels_.empty(), "the failure watch needs at least the process group's store");
-  for (const auto& c : channels_) {
-    ZB_CHECK(c.store, "the failure watch needs the process group's store");
-    FailureChannel mine{c.store, c.key};
-    try {
-      mine.store = c.store->clone();  // its own connection: polls never queue behind the caller's
-    } catch (const std::exception&) {
-      // Stores are thread-safe; a clone only avoids contention.
-    }
-    poll_channels_.push_back(std::move(mine));
+int64_t next_executor_id(c10d::Store& store, int rank) {
+  return store.add(detail::str("zbpipe/executors/rank", rank), 1);
+}
+
+StepFailure publish_failure(const FailureChannel& c, const StepFailure& mine) {
+  StepFailure f = mine;
+  if (f.message.size() > kMaxMessage) f.message = f.message.substr(0, kMaxMessage) + "\n[...]";
+  const std::string want = encode(f);
+  std::string stands;
+  try {
+    auto v = c.store->compareSet(failure_key(c.id), {}, bytes(want));
+    stands.assign(v.begin(), v.end());
+  } catch (const std::exception&) {
+    return mine;  // the store is gone too (the job is ending): nobody to tell
   }
-  thread_ = std::thread([this] { loop(); });
+  if (stands != want) {
+    auto earlier = decode(stands);
+    return earlier ? *earlier : mine;
+  }
+  const std::string message = std::string(kFailure) + "\n" + want;
+  for (int r = 0; r < c.group_size; ++r) {
+    if (r == c.group_rank) continue;
+    try {
+      push_message(*c.store, c.waits, inbox_key(c.id, r), message);
+    } catch (const std::exception&) {
+      return mine;
+    }
+  }
+  return mine;
+}
+
+FailureWatch::FailureWatch(std::vector<FailureChannel> channels, int rank, std::function<void()> on_peer_failure)
+    : channels_(std::move(channels)), rank_(rank), on_peer_failure_(std::move(on_peer_failure)) {
+  ZB_CHECK(!channels_.empty(), "the failure watch needs at least the process group's store");
+  for (auto& c : channels_) {
+    ZB_CHECK(c.store, "the failure watch needs the process group's store");
+    c.waits = store_waits(*c.store);
+    readers_.push_back(std::make_unique<InboxReader>(c.store, c.waits, inbox_key(c.id, c.group_rank)));
+  }
+  const FailureChannel& pipe = channels_[0];
+  pipe.store->set(liveness_key(pipe.group_rank), bytes(detail::str("watching ", pipe.id)));
+  for (size_t i = 0; i < channels_.size(); ++i) threads_.emplace_back([this, i] { loop(i); });
 }
 
 FailureWatch::~FailureWatch() {
@@ -79,11 +111,15 @@ FailureWatch::~FailureWatch() {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
-  cv_.notify_all();
-  if (thread_.joinable()) thread_.join();
-  // Alive, without this watch: parked (another watch of this process on the group, if any,
-  // beats again within kHeartbeat).
-  if (group_rank_ >= 0) beat("parked");
+  for (size_t i = 0; i < readers_.size(); ++i) readers_[i]->stop(*channels_[i].store, kStop);
+  for (auto& t : threads_)
+    if (t.joinable()) t.join();
+  // Alive, without this watch: parked, unless a later watch of this rank took the key over.
+  const FailureChannel& pipe = channels_[0];
+  try {
+    pipe.store->compareSet(liveness_key(pipe.group_rank), bytes(detail::str("watching ", pipe.id)), bytes("parked"));
+  } catch (const std::exception&) {
+  }
 }
 
 void FailureWatch::arm() {
@@ -91,7 +127,7 @@ void FailureWatch::arm() {
     std::lock_guard<std::mutex> lock(mu_);
     armed_ = true;
   }
-  cv_.notify_all();
+  for (auto& r : readers_) r->poke();
 }
 
 void FailureWatch::disarm() {
@@ -104,8 +140,95 @@ std::optional<StepFailure> FailureWatch::seen() const {
   return seen_;
 }
 
-void FailureWatch::take(const std::vector<uint8_t>& value, size_t from, bool watcher) {
-  auto f = decode(value);
+std::optional<std::string> FailureWatch::lost() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return lost_;
+}
+
+uint64_t FailureWatch::generation() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return generation_;
+}
+
+void FailureWatch::bump() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    ++generation_;
+  }
+  cv_.notify_all();
+}
+
+void FailureWatch::wake() { bump(); }
+
+void FailureWatch::wait(uint64_t since, Clock::time_point until) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_until(lock, until, [&] { return generation_ != since; });
+}
+
+void FailureWatch::loop(size_t i) {
+  InboxReader& reader = *readers_[i];
+  while (true) {
+    std::chrono::milliseconds period;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (stopping_) return;
+      period = armed_ ? kPollInStep : kPollBetweenSteps;
+    }
+    std::optional<std::string> message;
+    try {
+      message = reader.next(period);
+    } catch (const std::exception& e) {
+      // The store is unreachable (its host exited): no news will come through it. What needs
+      // it (a new executor's agreement, a failure report) fails or gives up on its own.
+      std::lock_guard<std::mutex> lock(mu_);
+      if (!lost_) lost_ = detail::str(describe_store(*channels_[i].store), ": ", short_what(e));
+      return;
+    }
+    if (message) handle(i, *message);
+  }
+}
+
+void FailureWatch::handle(size_t i, const std::string& message) {
+  const size_t eol = message.find('\n');
+  const std::string subject = message.substr(0, eol);
+  const std::string body = eol == std::string::npos ? std::string() : message.substr(eol + 1);
+  if (subject == kStop) return;
+  if (subject == kFailure) {
+    take_failure(body, i);
+    return;
+  }
+  if (subject.rfind("ping ", 0) == 0) {  // body: the asker's inbox
+    try {
+      push_message(*channels_[i].store, channels_[i].waits, body, detail::str("pong ", channels_[i].group_rank));
+    } catch (const std::exception&) {
+    }
+    return;
+  }
+  if (subject.rfind("pong ", 0) == 0) {
+    int peer = -1;
+    try {
+      peer = std::stoi(subject.substr(5));
+    } catch (const std::exception&) {
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pongs_[peer] = Clock::now();
+      ++generation_;
+    }
+    cv_.notify_all();
+    return;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    mail_.push_back(Mail{i, subject, body});
+    ++generation_;
+  }
+  cv_.notify_all();
+}
+
+void FailureWatch::take_failure(const std::string& encoded, size_t from) {
+  auto f = decode(encoded);
   if (!f || f->rank == rank_) return;
   bool first = false;
   {
@@ -113,126 +236,94 @@ void FailureWatch::take(const std::vector<uint8_t>& value, size_t from, bool wat
     if (!seen_) {
       seen_ = f;
       first = true;
+      ++generation_;
     }
   }
   if (!first) return;
-  auto& channels = watcher ? poll_channels_ : channels_;
-  for (size_t i = 0; i < channels.size(); ++i)  // the other groups of this rank learn it too
-    if (i != from) publish_failure(*channels[i].store, channels[i].key, *f);
+  cv_.notify_all();
+  for (size_t i = 0; i < channels_.size(); ++i)  // the other groups of this rank learn it too
+    if (i != from) publish_failure(channels_[i], *f);
   if (on_peer_failure_) on_peer_failure_();
 }
 
-std::optional<StepFailure> FailureWatch::poll_now() {
-  if (auto s = seen()) return s;
+void FailureWatch::look_now() {
+  if (waits() != StoreWaits::Polled || seen()) return;
   for (size_t i = 0; i < channels_.size(); ++i) {
-    const auto& c = channels_[i];
+    std::optional<std::string> there;
     try {
-      if (c.store->check({c.key})) take(c.store->get(c.key), i, /*watcher=*/false);
+      there = peek(*channels_[i].store, failure_key(channels_[i].id));
     } catch (const std::exception&) {
-      // The store is unreachable: no news from it.
+      continue;  // a store that is gone: its watcher reports it
     }
+    if (there) take_failure(*there, i);
+    if (seen()) return;
   }
-  return seen();
-}
-
-StepFailure publish_failure(c10d::Store& store, const std::string& key, const StepFailure& mine) {
-  StepFailure f = mine;
-  if (f.message.size() > kMaxMessage) f.message = f.message.substr(0, kMaxMessage) + "\n[...]";
-  const auto want = encode(f);
-  std::vector<uint8_t> stands;
-  try {
-    stands = store.compareSet(key, {}, want);
-  } catch (const std::exception&) {
-    return mine;  // the store is gone too (the job is ending): nobody to tell
-  }
-  if (stands == want) return mine;
-  auto earlier = decode(stands);
-  return earlier ? *earlier : mine;
 }
 
 StepFailure FailureWatch::report(const StepFailure& mine) {
   if (auto s = seen()) return *s;
-  // A peer's failure standing on one channel is what the later channels are told.
+  // A peer's failure standing on any channel (not yet seen here) is the cause: it is what every
+  // channel is told, not this rank's (which may well be a consequence: a connection to the
+  // failing rank that closed).
   StepFailure stands = mine;
   for (const auto& c : channels_) {
-    StepFailure s = publish_failure(*c.store, c.key, stands);
+    std::optional<std::string> there;
+    try {
+      there = peek(*c.store, failure_key(c.id));
+    } catch (const std::exception&) {
+    }
+    auto f = there ? decode(*there) : std::nullopt;
+    if (f && f->rank != rank_) {
+      stands = *f;
+      break;
+    }
+  }
+  for (const auto& c : channels_) {
+    StepFailure s = publish_failure(c, stands);
     if (stands.rank == rank_ && s.rank != rank_) stands = s;
   }
   if (stands.rank == rank_) return stands;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!seen_) {
+      seen_ = stands;  // no abort: this rank is failing anyway
+      ++generation_;
+    }
+  }
+  cv_.notify_all();
+  return *seen();
+}
+
+void FailureWatch::send(size_t channel, int to, const std::string& subject, const std::string& body) {
+  const FailureChannel& c = channels_.at(channel);
+  push_message(*c.store, c.waits, inbox_key(c.id, to), subject + "\n" + body);
+}
+
+std::optional<std::string> FailureWatch::take(size_t channel, const std::string& subject) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!seen_) seen_ = stands;  // no abort: this rank is failing anyway
-  return *seen_;
-}
-
-void FailureWatch::loop() {
-  std::unique_lock<std::mutex> lock(mu_);
-  while (!stopping_) {
-    if (group_rank_ >= 0) {  // between steps too: the heartbeat
-      lock.unlock();
-      beat("beat");
-      lock.lock();
-      cv_.wait_for(lock, kHeartbeat, [&] { return stopping_ || (armed_ && !seen_); });
-      if (stopping_) break;
-      if (!armed_ || seen_) continue;
-    } else {
-      cv_.wait(lock, [&] { return stopping_ || (armed_ && !seen_); });
-      if (stopping_) break;
-    }
-    lock.unlock();
-    for (size_t i = 0; i < poll_channels_.size(); ++i) {
-      const auto& c = poll_channels_[i];
-      std::optional<std::vector<uint8_t>> value;
-      try {
-        if (c.store->check({c.key})) value = c.store->get(c.key);
-      } catch (const std::exception&) {
-        // The store is unreachable (its host exited): no news to take; keep polling slowly.
-      }
-      if (value) take(*value, i, /*watcher=*/true);
-    }
-    lock.lock();
-    cv_.wait_for(lock, std::min(poll_, kHeartbeat), [&] { return stopping_ || !armed_; });
-  }
-}
-
-void FailureWatch::beat(const char* state) {
-  static std::atomic<int64_t> beats{0};  // process-wide: every set is a new value
-  const std::string v = std::string(state) == "beat" ? detail::str("beat ", ++beats) : std::string(state);
-  try {
-    poll_channels_[0].store->set(heartbeat_key(group_rank_), std::vector<uint8_t>(v.begin(), v.end()));
-  } catch (const std::exception&) {
-    // The store is unreachable: nobody to tell.
-  }
-}
-
-std::string heartbeat_key(int group_rank) { return detail::str("zbpipe/alive/rank", group_rank); }
-
-bool HeartbeatWatch::due() const { return std::chrono::steady_clock::now() - last_ >= kHeartbeat; }
-
-std::optional<int> HeartbeatWatch::look(const std::vector<int>& ranks) {
-  const auto now = std::chrono::steady_clock::now();
-  last_ = now;
-  for (int r : ranks) {
-    auto it = std::find_if(seen_.begin(), seen_.end(), [&](const auto& s) { return s.first == r; });
-    if (it == seen_.end()) it = seen_.insert(seen_.end(), {r, Seen{{}, now}});
-    std::vector<uint8_t> value;
-    try {
-      if (!store_.check({heartbeat_key(r)})) continue;
-      value = store_.get(heartbeat_key(r));
-    } catch (const std::exception&) {
-      continue;  // the store's own failure is the wait's business
-    }
-    if (value != it->second.value) {
-      it->second = Seen{std::move(value), now};
-      continue;
-    }
-    const bool beating = value.size() > 5 && std::string(value.begin(), value.begin() + 5) == "beat ";
-    if (beating && now - it->second.since >= kSilentAfter) return r;
+  for (auto it = mail_.begin(); it != mail_.end(); ++it) {
+    if (it->channel != channel || it->subject != subject) continue;
+    std::string body = std::move(it->body);
+    mail_.erase(it);
+    return body;
   }
   return std::nullopt;
 }
 
-int64_t next_executor_id(c10d::Store& store, int rank) {
-  return store.add(detail::str("zbpipe/executors/rank", rank), 1);
+bool FailureWatch::ping(int peer) {
+  const FailureChannel& pipe = channels_[0];
+  const auto state = peek(*pipe.store, liveness_key(peer));
+  if (!state || state->rfind("watching ", 0) != 0) return false;  // never watched, or parked
+  const std::string their_id = state->substr(9);
+  push_message(*pipe.store, pipe.waits, detail::str("zbpipe/x", their_id, "/inbox/rank", peer),
+               detail::str("ping ", pipe.group_rank, "\n", inbox_key(pipe.id, pipe.group_rank)));
+  return true;
+}
+
+FailureWatch::Clock::time_point FailureWatch::last_pong(int peer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = pongs_.find(peer);
+  return it == pongs_.end() ? Clock::time_point{} : it->second;
 }
 
 }  // namespace zbpipe::runtime

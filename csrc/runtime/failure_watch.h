@@ -1,13 +1,22 @@
-// Failure propagation through c10d stores (every group has one, whatever the backend): a rank
-// whose step fails publishes its failure (rank, where, step, message) under the executor's key
-// on each of its channels -- the pipeline group's store and the store of every data-parallel
-// group its stages sync gradients on -- and a watcher thread on every rank polls those keys
-// while a step runs. Seeing a peer's failure on one channel, it forwards it to the others (so
-// a failure crosses from one replica's pipeline to the next through the data-parallel groups,
-// whatever the path) and calls `on_peer_failure` (the executor aborts its pending
-// communication, P2P::abort_all), so a rank blocked in a wait fails within a poll interval
-// instead of at its timeout. Only the first failure stands on a key (compare-and-set): a rank
-// failing because its peer did never reports itself as the cause.
+// Failure propagation, and the other control messages that go through c10d stores (every group
+// has one, whatever the backend): pushed by the sender, answered by the server, never polled
+// where the store can block (store_inbox.h).
+//
+// Channels: the pipeline group's store first, then the store of every data-parallel group this
+// rank's stages sync gradients on. On each the executor has an id (next_executor_id) and each
+// rank an inbox; a watcher thread per channel blocks on this rank's inbox for the watch's whole
+// life, steps or not. What arrives:
+//  - a failure. A rank whose step fails publishes it under the channel's failure key (compare-
+//    and-set: only the first failure stands, so a rank failing because its peer did never
+//    reports itself as the cause) and, where its own stood, pushes it into every other rank's
+//    inbox. The watcher forwards it to its other channels (a failure crosses from one replica's
+//    pipeline to the next through the data-parallel groups) and calls `on_peer_failure` (the
+//    executor aborts its communication), so a rank blocked in a wait -- or, between steps, in
+//    a collective of its own -- fails within a second instead of at its timeout;
+//  - a liveness ping, answered at once (see kPingEvery);
+//  - the setup messages of the program agreement and of the replicas' first meeting, kept
+//    until taken (take).
+// So once set up a rank asks nothing of the store until a failure or a liveness question.
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
@@ -15,12 +24,18 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <deque>
 #include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
+
+#include "runtime/store_inbox.h"
 
 namespace c10d {
 class Store;
@@ -41,26 +56,45 @@ struct StepFailure {
   std::string describe() const;
 };
 
-// One place a failure is published and watched: a group's store and the executor's key there.
+// One group as a failure channel: its store, the executor's id there and this rank's place.
 struct FailureChannel {
   c10::intrusive_ptr<c10d::Store> store;
-  std::string key;  // unique to the executor on that group, equal on its ranks (next_executor_id)
+  int64_t id = -1;      // unique to the executor on that group, equal on its ranks (next_executor_id)
+  int group_rank = 0;   // this rank in the group
+  int group_size = 1;
+  StoreWaits waits = StoreWaits::Blocking;  // how the store serves inboxes (store_waits)
 };
+
+// Liveness: while a FailureWatch lives, "zbpipe/alive/rank<g>" in its pipeline group's store
+// reads "watching <id>" (the last started watch of that rank on the group), and "parked" once
+// that watch is gone (the process is alive, maybe without executor). A rank waiting for a peer
+// (the program agreement) asks a silent peer every kPingEvery: a ping into the inbox of the
+// peer's watch, answered at once by a pong. A "watching" peer that answered none of two pings
+// for kDeadAfter has died (or its threads no longer run). Costs the asker two requests per
+// kPingEvery and the asked two per ping, only while someone waits; a peer that never held a
+// watch on the group, or is parked, cannot be asked.
+constexpr std::chrono::milliseconds kAskAfter{1000};  // a wait asks no one before this
+constexpr std::chrono::milliseconds kPingEvery{2000};
+constexpr std::chrono::milliseconds kDeadAfter{3000};  // from the first unanswered ping
+// Polled stores (StoreWaits::Polled): how often a watcher looks at its inbox.
+constexpr std::chrono::milliseconds kPollInStep{50};
+constexpr std::chrono::milliseconds kPollBetweenSteps{500};
 
 class FailureWatch {
  public:
-  // `channels`: the pipeline group's first, then the data-parallel groups' (at least one).
-  // `rank`: this rank's global rank (its own failures, read back, are not a peer's).
-  // `group_rank` >= 0: this rank's rank in the pipeline group (channels[0]); the watcher then
-  // also beats a heartbeat there for the watch's whole life, steps or not (heartbeat_key), so
-  // a peer waiting for this rank outside a step can tell a dead process from a slow one.
-  FailureWatch(std::vector<FailureChannel> channels, int rank, std::function<void()> on_peer_failure,
-               std::chrono::milliseconds poll = std::chrono::milliseconds(50), int group_rank = -1);
+  using Clock = std::chrono::steady_clock;
+
+  // `channels`: the pipeline group's first (its liveness key is this rank's), then the
+  // data-parallel groups' (their `waits` are asked here). `rank`: this rank's global rank (its
+  // own failures, read back, are not a peer's). `on_peer_failure` runs on a watcher thread.
+  // Starts one watcher per channel; sets the liveness key. Throws what the stores throw.
+  FailureWatch(std::vector<FailureChannel> channels, int rank, std::function<void()> on_peer_failure);
   ~FailureWatch();
   FailureWatch(const FailureWatch&) = delete;
   FailureWatch& operator=(const FailureWatch&) = delete;
 
-  // Polling runs between arm() and disarm() (a step); the first poll is immediate.
+  // Polled stores only: a watcher looks every kPollInStep while a step runs (between arm and
+  // disarm), every kPollBetweenSteps otherwise. No effect where the store blocks.
   void arm();
   void disarm();
 
@@ -68,70 +102,79 @@ class FailureWatch {
   // returns the one that stands (this rank's, or the earlier peer's, which is then also
   // seen()). Blocks on the stores only; never throws.
   StepFailure report(const StepFailure& mine);
-  // A peer's failure seen by the watcher (or by report), if any.
+  // Polled stores only (a no-op where the store blocks): looks at every channel's failure key
+  // now, on the caller's thread, taking a peer's failure there as a watcher would (abort
+  // included). A watcher looks every kPollInStep: a step ending sooner after a peer's failure
+  // than that would otherwise report success. One request per channel. Never throws.
+  void look_now();
+  // A peer's failure seen by a watcher (or by report), if any.
   std::optional<StepFailure> seen() const;
-  // One synchronous look at every channel (no thread): what bounded store waits call between
-  // polls.
-  std::optional<StepFailure> poll_now();
+  // How the pipeline group's store serves inboxes.
+  StoreWaits waits() const { return channels_[0].waits; }
+  const FailureChannel& channel(size_t i) const { return channels_[i]; }
+  // The first error of a store that became unreachable (its watcher stopped), if any.
+  std::optional<std::string> lost() const;
+
+  // ---- setup messages ----------------------------------------------------------------------
+  // Pushes message `subject` (one line) with `body` into group rank `to`'s inbox on channel
+  // `channel`. Throws what the store throws.
+  void send(size_t channel, int to, const std::string& subject, const std::string& body = "");
+  // The body of a message `subject` that arrived on `channel`, removed; nullopt if none yet.
+  std::optional<std::string> take(size_t channel, const std::string& subject);
+  // Counts what wakes a waiter: every message kept, pong, failure seen and wake(). Read it
+  // before looking at what came, then wait(generation, until): nothing is missed in between.
+  uint64_t generation() const;
+  // Blocks until generation() differs from `since`, or `until`.
+  void wait(uint64_t since, Clock::time_point until);
+  // Wakes the waiters (Ctrl-C). Thread-safe.
+  void wake();
+
+  // ---- liveness (the pipeline channel) -----------------------------------------------------
+  // Asks group rank `peer` whether its process runs (see kPingEvery); false where it cannot be
+  // asked (it never watched the group, or is parked). Throws what the store throws.
+  bool ping(int peer);
+  // When `peer` last answered a ping (Clock::time_point{} if never).
+  Clock::time_point last_pong(int peer) const;
 
  private:
-  void loop();
-  // Decodes a failure published on channel `from` into seen_ and forwards it to the others.
-  void take(const std::vector<uint8_t>& value, size_t from, bool watcher);
+  struct Mail {
+    size_t channel;
+    std::string subject, body;
+  };
+  void loop(size_t i);
+  void handle(size_t i, const std::string& message);
+  // A failure that arrived on channel `from`: kept in seen_, forwarded to the other channels.
+  void take_failure(const std::string& encoded, size_t from);
+  void bump();  // generation_ + 1, waiters notified
 
-  std::vector<FailureChannel> channels_;       // the caller's stores (report, poll_now)
-  std::vector<FailureChannel> poll_channels_;  // the watcher thread's own (clones if possible)
-  void beat(const char* state);  // sets the heartbeat (poll_channels_[0]); never throws
-
+  std::vector<FailureChannel> channels_;
+  std::vector<std::unique_ptr<InboxReader>> readers_;  // per channel: this rank's inbox
   int rank_;
-  int group_rank_;
   std::function<void()> on_peer_failure_;
-  std::chrono::milliseconds poll_;
 
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool armed_ = false, stopping_ = false;
   std::optional<StepFailure> seen_;
-  std::thread thread_;
+  std::optional<std::string> lost_;
+  std::deque<Mail> mail_;
+  std::map<int, Clock::time_point> pongs_;  // pipeline group rank -> last pong
+  uint64_t generation_ = 0;
+  std::vector<std::thread> threads_;
 };
 
-// Publishes `f` under `key` unless a failure is there already; returns the one that stands
-// (a decode of the earlier one, or `f`). Store errors are swallowed: nobody is left to tell.
-StepFailure publish_failure(c10d::Store& store, const std::string& key, const StepFailure& f);
+// Publishes `f` on channel `c` unless a failure is there already, pushing it into every other
+// rank's inbox where it stood; returns the one that stands (a decode of the earlier one, or
+// `f`). Store errors are swallowed: nobody is left to tell.
+StepFailure publish_failure(const FailureChannel& c, const StepFailure& f);
 
 // Per-group executor numbering: the n-th executor a rank runs on a group gets id n on every
 // rank (ranks create their schedules on a group in the same order), so its store keys match.
 int64_t next_executor_id(c10d::Store& store, int rank);
-// The failure key of executor `id` on a group.
+// The failure key of executor `id` on a group, and group rank `rank`'s inbox of it.
 std::string failure_key(int64_t id);
-
-// Heartbeats: while a process holds a FailureWatch on a group, its watcher sets
-// heartbeat_key(group rank) in the group's store every kHeartbeat to a new "beat <n>", and to
-// "parked" when one goes (alive, maybe without executor: another watch of the process on the
-// group beats again within kHeartbeat). A value
-// "beat ..." that stays the same for kSilentAfter means the process died (or its threads no
-// longer run): what a wait outside a step (the program comparison) uses to give up early.
-constexpr std::chrono::milliseconds kHeartbeat{200};
-constexpr std::chrono::milliseconds kSilentAfter{1500};
-std::string heartbeat_key(int group_rank);
-
-// Watches the heartbeats of some ranks of a group while a wait polls: look() (when due(), every
-// kHeartbeat) reads them and returns a rank whose heartbeat was "beat ..." and has not changed
-// for kSilentAfter, if any. A rank without heartbeat, or parked, is never called silent.
-class HeartbeatWatch {
- public:
-  explicit HeartbeatWatch(c10d::Store& store) : store_(store) {}
-  bool due() const;
-  std::optional<int> look(const std::vector<int>& ranks);
-
- private:
-  struct Seen {
-    std::vector<uint8_t> value;
-    std::chrono::steady_clock::time_point since;
-  };
-  c10d::Store& store_;
-  std::vector<std::pair<int, Seen>> seen_;
-  std::chrono::steady_clock::time_point last_{};
-};
+std::string inbox_key(int64_t id, int rank);
+// The liveness key of group rank `rank` (see kPingEvery).
+std::string liveness_key(int rank);
 
 }  // namespace zbpipe::runtime

@@ -13,12 +13,21 @@
 // it wait for the NCCL stream. So ranks on their own streams of one GPU exercise stream
 // waits and send lifetimes (test_device_cuda.py). Not a transport for training: no timeouts
 // of its own.
+//
+// It models NCCL's abort: a group's abort (ProcessGroup::abort) ends every unfinished work of
+// that rank -- its posted receives and an all-reduce (the one collective it runs, by call order
+// across the world) -- with an error, and is counted, as are Work::abort calls (NCCL's
+// synchronous per-communicator abort, which zbpipe must not use) and aborts that came while the
+// rank was inside a coalesced post. Its control groups (control_group.h) are loopback worlds of
+// their own, one per name. Its store counts the requests made to it.
 #pragma once
 
 #include <c10/util/intrusive_ptr.h>
 
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <string>
 #include <vector>
 
 namespace c10d {
@@ -74,6 +83,20 @@ class LoopbackWorld {
   int64_t host_waits(int rank) const;
   // How often `rank`'s group was aborted (ProcessGroup::abort: a communicator abort on NCCL).
   int aborts(int rank) const;
+  // How often a Work of `rank` was aborted (Work::abort: a synchronous ncclCommAbort on NCCL).
+  int work_aborts(int rank) const;
+  // How often `rank`'s group was aborted while the rank was inside a coalesced post (between
+  // startCoalescing and endCoalescing: NCCL's thread-local group state would go stale).
+  int aborts_in_coalescing(int rank) const;
+  // Whether `rank` is inside a coalesced post now.
+  bool in_coalescing(int rank) const;
+  // From now on `rank`'s coalesced posts stay open for `seconds` before they end (a slow post).
+  void hold_coalesced_posts(int rank, double seconds);
+  // From now on a group abort takes `seconds` (a slow communicator abort) before it returns.
+  void slow_aborts(double seconds);
+  // Requests made to the world's store so far (store=true), by operation; the counts go on
+  // across clear_events.
+  std::map<std::string, int64_t> store_requests() const;
   // Where in `rank`'s events P2P began to settle (a step's end, or a shape handshake's): the
   // number of events recorded before each settle since the last clear. A host wait (Sync)
   // recorded before the step's settle blocked the host inside the step.

@@ -12,6 +12,7 @@
 #include <optional>
 #include <mutex>
 #include <thread>
+#include <utility>
 
 #include "runtime/device.h"
 #include "runtime/errors.h"
@@ -58,7 +59,23 @@ P2P::P2P(c10::intrusive_ptr<c10d::ProcessGroup> pg, c10::Device device, P2POptio
 P2P::~P2P() = default;
 
 std::shared_ptr<Batch> P2P::post(std::vector<P2POp> ops) {
-  if (aborted_) throw CommAborted("communication of this rank was aborted (a peer failed)");
+  {
+    std::lock_guard<std::mutex> lock(post_mu_);
+    if (aborted_) throw CommAborted("communication of this rank was aborted (a peer failed)");
+    posting_ = true;  // an abort_all from now on waits for the post's end (see abort_all)
+  }
+  struct Posting {  // ends the post, doing the abort that came during it
+    P2P& p;
+    ~Posting() {
+      bool abort = false;
+      {
+        std::lock_guard<std::mutex> lock(p.post_mu_);
+        p.posting_ = false;
+        abort = std::exchange(p.abort_deferred_, false);
+      }
+      if (abort) p.abort_group();
+    }
+  } posting{*this};
   auto batch = std::make_shared<Batch>();
   batch->tensors.reserve(ops.size());
   auto issue = [&](P2POp& op) {
@@ -177,6 +194,11 @@ size_t P2P::abandoned() {
   g.sweep();
   std::lock_guard<std::mutex> lock(g.mu);
   return g.batches.size();
+}
+
+void P2P::drop_done() {
+  watched_.erase(std::remove_if(watched_.begin(), watched_.end(), [](const Watched& w) { return w.batch->done; }),
+                 watched_.end());
 }
 
 void P2P::abandon_watched() {
@@ -394,28 +416,38 @@ void P2P::track_live(const std::shared_ptr<Batch>& batch) {
 
 void P2P::abort_all() {
   if (aborted_.exchange(true)) return;
-  {
-    std::lock_guard<std::mutex> lock(live_mu_);
-    for (auto& weak : live_) {
-      auto b = weak.lock();
-      if (!b || b->works.empty()) continue;
-      for (auto& w : b->works) {
-        try {
-          if (w) w->abort();
-        } catch (const std::exception&) {
-          // A backend without Work::abort: its wait ends at its own timeout.
-        }
+  if (aborts_group()) {
+    // Accelerators (NCCL), and a backend modelling one: the host waits on nothing, the compute
+    // stream may already wait on a receive that never comes; the group's abort ends the
+    // communicators, so the kernels stuck on them end and the stream runs again.
+    {
+      std::lock_guard<std::mutex> lock(post_mu_);
+      if (posting_) {
+        abort_deferred_ = true;  // the post aborts at its end
+        return;
+      }
+    }
+    abort_group();
+    return;
+  }
+  std::lock_guard<std::mutex> lock(live_mu_);
+  for (auto& weak : live_) {
+    auto b = weak.lock();
+    if (!b || b->works.empty()) continue;
+    for (auto& w : b->works) {
+      try {
+        if (w) w->abort();
+      } catch (const std::exception&) {
+        // A backend without Work::abort: its wait ends at its own timeout.
       }
     }
   }
-  if (completion_ == Completion::Stream || !device_.is_cpu()) {
-    // Accelerators (NCCL), and a backend modelling one: the host waits on nothing, the compute
-    // stream may already wait on a receive that never comes; abort the communicators so the
-    // kernels stuck on it end and the stream runs again.
-    try {
-      pg_->abort();
-    } catch (const std::exception&) {
-    }
+}
+
+void P2P::abort_group() {
+  try {
+    pg_->abort();
+  } catch (const std::exception&) {
   }
 }
 

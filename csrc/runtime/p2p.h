@@ -126,6 +126,10 @@ class P2P {
   Matching matching() const { return matching_; }
   Completion completion() const { return completion_; }
   bool stream_ordered() const { return matching_ == Matching::IssueOrder; }
+  // Whether abort_all ends the group's communicators (accelerators, and a backend modelling
+  // one), rather than the posted works one by one (Gloo).
+  bool aborts_group() const { return completion_ == Completion::Stream || !device_.is_cpu(); }
+  const c10::intrusive_ptr<c10d::ProcessGroup>& group() const { return pg_; }
 
   // Posts `ops` (non-empty) as one batch and returns it. Coalesced as `matching()` says. A
   // batch holding sends is watched until seen complete (see progress, settle). Completion::
@@ -168,11 +172,15 @@ class P2P {
   // The process group's c10d store (every group has one; null only for a group built without).
   c10::intrusive_ptr<c10d::Store> store() const;
 
-  // Thread-safe (called from the failure watcher): aborts every posted, unfinished batch
-  // (Work::abort, and the group's abort under Completion::Stream or off the CPU, where waits
-  // do not block the host and the stream may wait on a late receive) so a wait blocked on one
-  // returns at once; from then on post and wait throw CommAborted. Idempotent. Irreversible:
-  // the group's pending traffic is lost (on NCCL, its communicators).
+  // Thread-safe (called from the failure watcher): aborts every posted, unfinished batch so a
+  // wait blocked on one returns at once; from then on post and wait throw CommAborted.
+  // Idempotent. Irreversible: the group's pending traffic is lost (on NCCL, its
+  // communicators). Where aborts_group() (waits do not block the host, the stream may wait on
+  // a late receive) it is the group's abort, which ProcessGroupNCCL bounds, and never a Work's
+  // (on NCCL a synchronous ncclCommAbort on the calling thread, unbounded); elsewhere (Gloo)
+  // each posted work's abort. Never inside a coalesced post of another thread (between its
+  // startCoalescing and endCoalescing, where PG-NCCL keeps thread-local state): an abort that
+  // comes then is done by that post when it ends.
   void abort_all();
   bool aborted() const { return aborted_.load(); }
   // Keeps an unfinished batch (its works and buffers) alive until its process group is
@@ -185,6 +193,9 @@ class P2P {
   static size_t abandoned();
   // After a failure: abandons every watched batch (see abandon) and empties the list.
   void abandon_watched();
+  // Forgets the watched batches already complete (a wait completed them), without blocking:
+  // for a P2P whose sends are completed by waits rather than settle (control messages).
+  void drop_done();
 
  private:
   // A batch being completed, with its deadline.
@@ -219,10 +230,14 @@ class P2P {
   // wait order; a batch never waited has deadline time_point::max() until settle.
   std::deque<Watched> watched_;
   ModelsStreamWaits* model_ = nullptr;  // the backend, when it models stream waits (owned by pg_)
+  void abort_group();  // the group's abort (aborts_group()); never throws
   // Posted batches that abort_all may have to abort (pruned of finished ones as posts go).
   std::mutex live_mu_;
   std::vector<std::weak_ptr<Batch>> live_;
   std::atomic<bool> aborted_{false};
+  // A post in progress (its coalesced group open) and an abort_all that came meanwhile.
+  std::mutex post_mu_;
+  bool posting_ = false, abort_deferred_ = false;
 };
 
 }  // namespace zbpipe::runtime

@@ -1,8 +1,8 @@
-// Ranks agree on the program before they run it: each publishes a fingerprint of its program
+// Ranks agree on the program before they run it: each sends a fingerprint of its program
 // (schedule, pp, stages, microbatches, stage placement, a hash of every rank's action list,
-// and the options both ends must share) in the process group's store and compares it with
-// every peer's, so a rank built with another schedule or microbatch count fails every rank at
-// once, naming both sides, instead of hanging on messages that never match.
+// and the options both ends must share) into every peer's inbox (failure_watch.h) and compares
+// it with every peer's, so a rank built with another schedule or microbatch count fails every
+// rank at once, naming both sides, instead of hanging on messages that never match.
 #pragma once
 
 #include <chrono>
@@ -10,10 +10,6 @@
 #include <string>
 
 #include "zbpipe/program.h"
-
-namespace c10d {
-class Store;
-}
 
 namespace zbpipe::runtime {
 
@@ -23,14 +19,16 @@ class FailureWatch;
 // actions=#89ab... static_shapes=0".
 std::string program_fingerprint(const Program& p, bool static_shapes);
 
-// Publishes `fingerprint` under `key_prefix` and waits (bounded by `timeout`, polling the
-// store; a failure published meanwhile through `watch` ends the wait) for every peer's. Between
-// polls (at most 50 ms apart) calls `check`, which throws to give up (Ctrl-C: the executor's
-// interrupt). Throws PipelineError on a mismatch (naming this rank's and the first differing
-// rank's values), on a timeout (naming the ranks whose program never came) or on a peer's
-// failure; what `check` throws.
-void agree_on_program(c10d::Store& store, const std::string& key_prefix, int rank, int size,
-                      const std::string& fingerprint, std::chrono::milliseconds timeout,
-                      FailureWatch& watch, const std::function<void()>& check);
+// Sends `fingerprint` to every other rank of the pipeline group (the watch's channel 0, of
+// `size` ranks, this rank `rank`) and waits, bounded by `timeout`, for every peer's. The wait
+// blocks on the watch (no request while it waits), waking for each message, a failure seen,
+// Ctrl-C (FailureWatch::wake, then `check`, which throws) and, past kAskAfter, to ask silent
+// peers whether their process runs (kPingEvery). Throws PipelineError on a mismatch (naming
+// this rank's and the first differing rank's values), on a timeout (naming the ranks whose
+// program never came), on a peer that died ("no program from rank R: its process stopped"),
+// when the store fails (naming it and its address), CommAborted on a peer's failure; what
+// `check` throws.
+void agree_on_program(FailureWatch& watch, int rank, int size, const std::string& fingerprint,
+                      std::chrono::milliseconds timeout, const std::function<void()>& check);
 
 }  // namespace zbpipe::runtime

@@ -4,11 +4,8 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/full.h>
 
-#include <torch/csrc/distributed/c10d/Store.hpp>
-
 #include <algorithm>
 #include <map>
-#include <thread>
 
 #include "runtime/errors.h"
 #include "runtime/handshake.h"
@@ -27,28 +24,26 @@ std::vector<TensorSpec> differentiable(const std::vector<TensorSpec>& specs) {
 
 bool same(const Signature& a, const Signature& b) { return a.specs == b.specs && a.structure == b.structure; }
 
-// [Note: the step's signature through the store] Stage 0's rank names the step's input
-// signature (an index into the negotiated sets) under key "sig<step mod ring>" of its
-// executor's prefix as "<step>:<index>", and every other rank reads it there: no message on
-// the group, so no device-to-host copy (a received index would be read with .item(), which
-// on a GPU waits for everything queued on the compute stream, the optimizer step included)
-// and no one-element message per peer. A rank j steps ahead of stage 0's rank's writes only
-// once rank j has started every step up to its own, and stage 0's rank starts step s + pp
-// only after every rank has started step s (each step's messages chain the ranks: with
-// rendezvous sends, as on NCCL and Gloo, a step ends once its receivers reached it), so a ring
-// of 2 pp + 2 keys is never overwritten before it is read; a reader that finds a later step
-// there says so. A rank that reads blocks (on the store, never on the device) until stage 0's
-// rank has started the step, which costs nothing: its first action needs that rank's data.
-std::string signature_key(int64_t id, int64_t step, int pp) {
-  return detail::str("zbpipe/x", id, "/sig", step % (2 * pp + 2));
-}
+// [Note: the step's signature over the control group] Stage 0's rank names the step's input
+// signature (an index into the negotiated sets) in a message of two int64s, (step number,
+// index), to every other rank over the pipeline's control group: a CPU group of its own
+// (control_group.h), so no device-to-host copy (a received index read with .item() would wait,
+// on a GPU, for everything queued on the compute stream, the optimizer step included), nothing
+// in the data communicators' issue order and no request to the shared store. Stage 0's rank
+// posts its messages and goes on with its first actions; every other rank reads the message
+// before its own, which costs nothing: its first action needs data that stage 0's rank sends
+// after this message anyway. Messages of one pair and tag arrive in order; the step number in
+// the message checks it. The sends of a step are completed at the next step's start, when
+// every rank has read them (each step's messages chain the ranks: the previous step could not
+// end before every rank had started it).
+constexpr int kSignatureTag = 1;
 
 }  // namespace
 
 void StepAgreement::before_step(const Step& step) {
   if (!agreed_ && step.watch) {
-    agree_on_program(*p2p_.store(), detail::str("zbpipe/x", step.id, "/"), p2p_.rank(), program_.pp,
-                     program_fingerprint(program_, static_shapes_), step.timeout, *step.watch, step.check_stop);
+    agree_on_program(*step.watch, p2p_.rank(), program_.pp, program_fingerprint(program_, static_shapes_),
+                     step.timeout, step.check_stop);
   }
   agreed_ = true;
   negotiate_shapes(step);
@@ -92,26 +87,24 @@ void StepAgreement::negotiate_shapes(const Step& step) {
 
 int64_t StepAgreement::exchange_signature_index(const Step& step, Signature& key) {
   const int r0 = program_.rank_of(0);
+  int64_t index = -1;
   if (p2p_.rank() == r0) {
     key = step.first_inputs;
-    int64_t index = static_cast<int64_t>(shape_sets_.size());
+    index = static_cast<int64_t>(shape_sets_.size());
     for (size_t i = 0; i < shape_sets_.size(); ++i)
       if (same(shape_sets_[i].key, key)) index = static_cast<int64_t>(i);
-    if (program_.pp > 1) {
-      if (step.watch) {  // a group with a store (every group but a storeless loopback world)
-        const std::string v = detail::str(step.number, ":", index);
-        p2p_.store()->set(signature_key(step.id, step.number, program_.pp), std::vector<uint8_t>(v.begin(), v.end()));
-      } else {
-        auto opts = at::TensorOptions().dtype(at::kLong).device(p2p_.device());
-        for (int r = 0; r < program_.pp; ++r)
-          if (r != r0)  // completed by the step's end, with the step's other sends (P2P::settle)
-            p2p_.post({P2POp{true, r, step_signature_tag(), at::full({1}, index, opts)}});
-      }
-    }
+  }
+  if (program_.pp < 2) return index;
+  if (step.watch) return exchange_over_control(step, index);
+  // No watch (a group without store): the index travels as a message on the group itself,
+  // read on the host.
+  if (p2p_.rank() == r0) {
+    auto opts = at::TensorOptions().dtype(at::kLong).device(p2p_.device());
+    for (int r = 0; r < program_.pp; ++r)
+      if (r != r0)  // completed by the step's end, with the step's other sends (P2P::settle)
+        p2p_.post({P2POp{true, r, step_signature_tag(), at::full({1}, index, opts)}});
     return index;
   }
-  if (step.watch) return read_signature_index(step);
-  // No store: the index travels as a message, read on the host.
   auto buf = at::empty({1}, at::TensorOptions().dtype(at::kLong).device(p2p_.device()));
   auto batch = p2p_.post({P2POp{false, r0, step_signature_tag(), buf}});
   try {
@@ -124,30 +117,34 @@ int64_t StepAgreement::exchange_signature_index(const Step& step, Signature& key
   return buf.cpu().item<int64_t>();  // a device backend: the host waits for it here
 }
 
-int64_t StepAgreement::read_signature_index(const Step& step) {
-  auto store = p2p_.store();
-  const std::string key = signature_key(step.id, step.number, program_.pp);
-  const auto deadline = std::chrono::steady_clock::now() + step.timeout;
-  auto pause = std::chrono::microseconds(20);
-  while (true) {
-    step.check_stop();
-    if (store->check({key})) {
-      const auto raw = store->get(key);
-      const std::string v(raw.begin(), raw.end());
-      const auto colon = v.find(':');
-      ZB_CHECK(colon != std::string::npos, "bad step signature '", v, "' under ", key);
-      const int64_t at = std::stoll(v.substr(0, colon));
-      if (at == step.number) return std::stoll(v.substr(colon + 1));
-      ZB_CHECK(at < step.number, "rank ", step.stage0_rank, " is at step ", at, " while this rank starts step ",
-               step.number, ": it ran too far ahead (see [Note: the step's signature through the store])");
-    }
-    if (std::chrono::steady_clock::now() > deadline)
-      throw PipelineError(detail::str("no input signature for step ", step.number, " from rank ", step.stage0_rank,
-                                      " within ", step.timeout.count() / 1000.0,
-                                      " s (stage 0's rank names it when it starts the step; it failed or stopped before)"));
-    std::this_thread::sleep_for(pause);
-    pause = std::min(pause * 2, std::chrono::microseconds(1000));
+int64_t StepAgreement::exchange_over_control(const Step& step, int64_t index) {
+  P2P& control = step.control();
+  const int r0 = program_.rank_of(0);
+  if (p2p_.rank() == r0) {
+    for (auto& b : signature_sends_) control.wait(b, step.timeout, "a step's input signature (its send)");
+    control.drop_done();
+    signature_sends_.clear();
+    auto message = at::empty({2}, at::kLong);
+    message.data_ptr<int64_t>()[0] = step.number;
+    message.data_ptr<int64_t>()[1] = index;
+    for (int r = 0; r < program_.pp; ++r)
+      if (r != r0) signature_sends_.push_back(control.post({P2POp{true, r, kSignatureTag, message}}));
+    return index;
   }
+  auto got = at::empty({2}, at::kLong);
+  auto batch = control.post({P2POp{false, r0, kSignatureTag, got}});
+  try {
+    control.wait(batch, step.timeout,
+                 detail::str("the input signature of step ", step.number, " from rank ", step.stage0_rank,
+                             " (stage 0's rank names it when it starts the step)"));
+  } catch (...) {
+    P2P::abandon(batch);
+    throw;
+  }
+  const int64_t at = got.data_ptr<int64_t>()[0];  // a host tensor: read with no dispatch
+  ZB_CHECK(at == step.number, "rank ", step.stage0_rank, " named the input signature of its step ", at,
+           " while this rank starts step ", step.number, ": the ranks ran different numbers of steps");
+  return got.data_ptr<int64_t>()[1];
 }
 
 void StepAgreement::adopt_shapes(int set) {

@@ -1,7 +1,9 @@
 // What the ranks agree on before a step: the program (its fingerprint, at the first step, see
 // program_agreement.h) and the step's shapes, every step unless static_shapes. Stage 0's rank
-// names the step's input signature; a signature no step had runs the pipeline handshake
-// (handshake.h) and becomes a known shape set, a known one is adopted with no message.
+// names the step's input signature (an index into the known shape sets) in a message to every
+// other rank over the pipeline's control group (control_group.h), never through the shared
+// store; a signature no step had runs the pipeline handshake (handshake.h) and becomes a known
+// shape set, a known one is adopted with no other message.
 #pragma once
 
 #include <chrono>
@@ -24,12 +26,15 @@ class StepAgreement {
   struct Step {
     const StepData& data;            // the step's data (the handshake's stage calls read it)
     const Signature& first_inputs;   // the step's microbatch inputs on stage 0's rank (read there only)
-    int64_t number;                  // the step's number: its key in the store ring
+    int64_t number;                  // the step's number (the signature message carries it)
     std::chrono::milliseconds timeout;  // bounds every wait
     FailureWatch* watch;             // the executor's; null where the group has no store
     int64_t id;                      // the executor's id on the group: the prefix of its store keys
     int stage0_rank;                 // the global rank of stage 0's rank (messages name it)
     const std::function<void()>& check_stop;  // throws to end a wait (a peer failed, Ctrl-C)
+    // The pipeline's control messages, opened on first use (where there is a watch); throws
+    // what opening them throws.
+    const std::function<P2P&()>& control;
   };
 
   // `program`, `p2p` and `stages` outlive this object (the executor owns them); each step
@@ -40,9 +45,10 @@ class StepAgreement {
   // Compares program fingerprints (the first call, where there is a watch), then agrees on
   // the step's shapes: stage 0's rank names the step's input signature (an index into the
   // known sets), a new one runs the handshake on every rank; the step's set becomes every
-  // local stage's shapes. With static_shapes only the first call agrees. Blocks on the store
-  // or on messages, each wait at most the step's timeout; throws PipelineError (a mismatch, a
-  // timeout), HandshakeFailed, CommAborted when a peer failed, what check_stop throws.
+  // local stage's shapes. With static_shapes only the first call agrees. Blocks on the
+  // program agreement or on messages, each wait at most the step's timeout; throws
+  // PipelineError (a mismatch, a timeout), HandshakeFailed, CommAborted when a peer failed,
+  // what check_stop throws.
   void before_step(const Step& step);
 
   // Whether the stages hold agreed shapes (a step agreed on them).
@@ -63,14 +69,12 @@ class StepAgreement {
   // The step's set: a known one adopted, a new one negotiated by the handshake.
   void negotiate_shapes(const Step& step);
   // The index of the step's input signature among shape_sets_ (its size: a new one), named by
-  // stage 0's rank (which also sets `key` to the step's first inputs) through the group's
-  // store, or as a message where the group has none. Blocks on it (at most the timeout);
-  // throws PipelineError.
+  // stage 0's rank (which also sets `key` to the step's first inputs) over the control group,
+  // or as a message on the group itself where there is no watch (a group without store).
+  // Blocks on it (at most the timeout); throws PipelineError, CommAborted when aborted.
   int64_t exchange_signature_index(const Step& step, Signature& key);
-  // A non-first rank's read of the index through the store (see the note in
-  // step_agreement.cpp). Blocks on the store only, at most the timeout; throws
-  // PipelineError, CommAborted when a peer failed.
-  int64_t read_signature_index(const Step& step);
+  // Over the control group (see the note in step_agreement.cpp).
+  int64_t exchange_over_control(const Step& step, int64_t index);
   void adopt_shapes(int set);  // make shape set `set` the current one
 
   const Program& program_;
@@ -81,6 +85,8 @@ class StepAgreement {
   int current_set_ = -1;              // the stages' set; -1 before the first step
   int handshakes_ = 0;
   bool agreed_ = false;  // program fingerprints compared
+  // Stage 0's rank: the last step's signature messages, completed at the next step.
+  std::vector<std::shared_ptr<Batch>> signature_sends_;
 };
 
 }  // namespace zbpipe::runtime

@@ -41,20 +41,26 @@ int StepFailures::global(int r) const {
 // ---- the watch ------------------------------------------------------------------------------
 
 std::optional<std::vector<int64_t>> StepFailures::start_watch(
-    c10::intrusive_ptr<c10d::Store> store, const std::vector<std::shared_ptr<c10d::ProcessGroup>>& dp_groups,
+    c10::intrusive_ptr<c10d::Store> store, int size, const std::vector<std::shared_ptr<c10d::ProcessGroup>>& dp_groups,
     std::function<void()> on_peer_failure) {
   if (program_.pp < 2 && dp_groups.empty()) return std::nullopt;
   if (!store) return std::nullopt;
-  id_ = next_executor_id(*store, rank_);
-  std::vector<FailureChannel> channels{{store, failure_key(id_)}};
-  std::vector<int64_t> ids;
-  for (const auto& g : dp_groups) {
-    ids.push_back(next_executor_id(*g->getStore(), g->getRank()));
-    channels.push_back({g->getStore(), failure_key(ids.back())});
+  try {
+    id_ = next_executor_id(*store, rank_);
+    std::vector<FailureChannel> channels{{store, id_, rank_, size}};
+    std::vector<int64_t> ids;
+    for (const auto& g : dp_groups) {
+      ids.push_back(next_executor_id(*g->getStore(), g->getRank()));
+      channels.push_back({g->getStore(), ids.back(), g->getRank(), g->getSize()});
+    }
+    watch_ = std::make_unique<FailureWatch>(std::move(channels), global(rank_), std::move(on_peer_failure));
+    watch_for_interrupt_.store(watch_.get());
+    return ids;
+  } catch (const std::exception& e) {
+    throw PipelineError(detail::str("setting up the failure watch through the process group's store (",
+                                    describe_store(*store), ") failed (the process hosting it may have exited): ",
+                                    short_what(e)));
   }
-  watch_ = std::make_unique<FailureWatch>(std::move(channels), global(rank_), std::move(on_peer_failure),
-                                          std::chrono::milliseconds(50), /*group_rank=*/rank_);
-  return ids;
 }
 
 void StepFailures::arm() {
@@ -75,9 +81,19 @@ void StepFailures::start_step() {
   ++steps_;
 }
 
+void StepFailures::interrupt() {
+  interrupted_ = true;
+  if (FailureWatch* w = watch_for_interrupt_.load()) w->wake();
+}
+
 void StepFailures::check_stop() const {
   if (interrupted_.load()) throw Cancelled();
   if (watch_ && watch_->seen()) throw CommAborted("waiting was aborted (a peer failed)");
+}
+
+void StepFailures::check_before_success() const {
+  if (watch_) watch_->look_now();
+  check_stop();
 }
 
 // ---- failing ------------------------------------------------------------------------------
@@ -95,7 +111,7 @@ std::string StepFailures::where(int index) const {
   return detail::str("in stage ", a.stage, " at action ", to_string(a), " (microbatch ", a.microbatch, ")");
 }
 
-void StepFailures::fail(int index, const std::exception& ex, const char* prefix) {
+StepFailures::Report StepFailures::publish(int index, const std::exception& ex, const char* prefix) {
   broken_ = true;
   const bool interrupted = interrupted_.load() || dynamic_cast<const Cancelled*>(&ex) != nullptr;
   const int me = global(rank_);
@@ -114,7 +130,7 @@ void StepFailures::fail(int index, const std::exception& ex, const char* prefix)
     const StepFailure stands = watch_ ? watch_->report(mine) : mine;
     if (stands.rank != me) cause = stands;
   }
-  if (interrupted) throw Cancelled();  // the binding raises KeyboardInterrupt
+  if (interrupted) return Report{true, ""};  // the binding raises KeyboardInterrupt
   const std::string context = detail::str(
       "  schedule '", program_.schedule, "' (pp=", program_.pp, ", stages=", program_.num_stages,
       ", microbatches=", program_.microbatches, "), step ", steps_,
@@ -129,7 +145,12 @@ void StepFailures::fail(int index, const std::exception& ex, const char* prefix)
     if (!local.detail.empty()) text += local.detail + (local.detail.back() == '\n' ? "" : "\n");
     text += "program (failing action marked >> <<):\n";
   }
-  throw PipelineError(text + format_program(program_, rank_, index));
+  return Report{false, text + format_program(program_, rank_, index)};
+}
+
+void StepFailures::raise(const Report& report) {
+  if (report.interrupted) throw Cancelled();
+  throw PipelineError(report.text);
 }
 
 void StepFailures::report(const std::string& what) {
@@ -150,7 +171,7 @@ void StepFailures::report_setup_failure(const c10::intrusive_ptr<c10d::ProcessGr
       auto store = g->getStore();
       if (!store) return;
       const int64_t id = next_executor_id(*store, g->getRank());  // the number the peers' executor has
-      publish_failure(*store, failure_key(id),
+      publish_failure(FailureChannel{store, id, g->getRank(), g->getSize(), store_waits(*store)},
                       StepFailure{global_rank >= 0 ? global_rank : group->getRank(), false,
                                   "while building its executor", 1, what});
     } catch (const std::exception&) {

@@ -45,17 +45,20 @@ class StepFailures {
   // ---- the watch ----------------------------------------------------------------------
   // Sets the watch up, unless there is nothing to watch (one rank and no `dp_groups`) or no
   // `store` (the pipeline group's: then no propagation, no program agreement): the executor's
-  // id on the pipeline group, then one id per group of `dp_groups` (distinct, in the stages'
-  // order: the replicas build their schedules in the same order, so the ids match), each group
-  // a failure channel. `on_peer_failure`: what the watcher calls on a peer's failure (the
-  // executor aborts its communication). Returns the ids of `dp_groups`, nullopt where no watch
-  // was set up. Blocks on the stores; throws what they throw. Call while watch() is null.
-  std::optional<std::vector<int64_t>> start_watch(c10::intrusive_ptr<c10d::Store> store,
+  // id on the pipeline group (`size` ranks), then one id per group of `dp_groups` (distinct,
+  // in the stages' order: the replicas build their schedules in the same order, so the ids
+  // match), each group a failure channel (channel i + 1 for dp_groups[i]). `on_peer_failure`:
+  // what a watcher calls on a peer's failure, in a step or between steps (the executor aborts
+  // its communication). Returns the ids of `dp_groups`, nullopt where no watch was set up.
+  // Blocks on the stores; throws PipelineError naming the store when it fails. Call while
+  // watch() is null.
+  std::optional<std::vector<int64_t>> start_watch(c10::intrusive_ptr<c10d::Store> store, int size,
                                                   const std::vector<std::shared_ptr<c10d::ProcessGroup>>& dp_groups,
                                                   std::function<void()> on_peer_failure);
   FailureWatch* watch() const { return watch_.get(); }  // null: none (yet)
   int64_t id() const { return id_; }  // the executor's id on the pipeline group (its store keys)
-  // The watcher polls only while a step runs. No-ops without a watch.
+  // A step runs between arm and disarm (polled stores look more often then). No-ops without
+  // a watch.
   void arm();
   void disarm();
 
@@ -67,23 +70,34 @@ class StepFailures {
   // The number the next step gets (the caller's count of its steps, see
   // Executor::set_step_number).
   void set_step_number(int64_t n) { steps_ = n - 1; }
-  // Ctrl-C: from any thread. The caller then aborts the waits blocked now.
-  void interrupt() { interrupted_ = true; }
+  // Ctrl-C: from any thread. Wakes a wait on the watch; the caller then aborts the waits
+  // blocked on messages.
+  void interrupt();
   bool interrupted() const { return interrupted_.load(std::memory_order_relaxed); }
   // Throws (to end a wait) when a peer's failure was seen or this rank was interrupted.
   void check_stop() const;
+  // At a step's end, before it reports success: on a polled store, one look at the failure
+  // keys (FailureWatch::look_now), then check_stop.
+  void check_before_success() const;
 
   // ---- failing -------------------------------------------------------------------------
   bool broken() const { return broken_; }
   // Where action `index` of this rank is (or kStepStart, kStepEnd), for a failure's first
   // line: "in stage 1 at action 1F2 (microbatch 2)", "at the start of step 3", ...
   std::string where(int index) const;
-  // Marks the executor broken, tells the peers (or names the peer's failure that caused this
-  // one) and throws PipelineError whose first line names the failing rank, stage and action
-  // (`index`, or kStepStart, kStepEnd) and the cause `ex` (its text after `prefix`), with the
-  // program grid marked; zbpipe::Cancelled instead when this rank was interrupted. The caller
-  // tears its step down first.
-  [[noreturn]] void fail(int index, const std::exception& ex, const char* prefix = "");
+  // What a failing step throws on this rank: PipelineError's text, or Cancelled (interrupted).
+  struct Report {
+    bool interrupted = false;
+    std::string text;
+  };
+  // Marks the executor broken and tells the peers (or names the peer's failure that caused this
+  // one): the report whose first line names the failing rank, stage and action (`index`, or
+  // kStepStart, kStepEnd) and the cause `ex` (its text after `prefix`), with the program grid
+  // marked. The failing rank publishes before it tears its step down and aborts its
+  // communicators (an NCCL abort may take its time): the peers learn it first.
+  Report publish(int index, const std::exception& ex, const char* prefix = "");
+  // Throws `report`: PipelineError, or zbpipe::Cancelled when this rank was interrupted.
+  [[noreturn]] static void raise(const Report& report);
   // A failure outside a step (the schedule's own checks, "before step N"): marks the executor
   // broken and tells the peers through the watch, where there is one. Never throws.
   void report(const std::string& what);
@@ -100,6 +114,7 @@ class StepFailures {
   int global_rank_;              // ExecutorOptions::global_rank
   std::vector<int> group_ranks_;  // ExecutorOptions::group_ranks
   std::unique_ptr<FailureWatch> watch_;
+  std::atomic<FailureWatch*> watch_for_interrupt_{nullptr};  // watch_, once set: interrupt() reads it
   int64_t id_ = -1;              // executor id on the pipeline group (failure_watch.h)
   int64_t steps_ = 0;            // the running step's number (set_step_number)
   bool broken_ = false;          // a step failed, or a failure was reported

@@ -5,7 +5,11 @@
 
 #include <ATen/core/Tensor.h>
 
+#include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <chrono>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "runtime/stage_handle.h"
@@ -35,6 +39,13 @@ class VocabHandle {
   // The targets of every microbatch of `step` (token ids, integer; any shape, one per token of
   // the last stage's output), checked by the front end.
   virtual std::vector<at::Tensor> targets(const StepData& step) = 0;
+  // Stream-ordered backends (vocab_run.h): the process group the head's collectives run on, of
+  // `pipeline`'s ranks in its order: the user's, else one the front end makes like `pipeline`'s
+  // backend over its store under prefix `name` (every rank blocks until all made it, at most
+  // `timeout`), else null (the executor then asks the backend).
+  virtual c10::intrusive_ptr<c10d::ProcessGroup> collective_group(const c10::intrusive_ptr<c10d::ProcessGroup>& pipeline,
+                                                                  const std::string& name,
+                                                                  std::chrono::milliseconds timeout) = 0;
 };
 
 }  // namespace zbpipe::runtime

@@ -2,13 +2,17 @@
 #include "runtime/vocab_run.h"
 
 #include <ATen/ATen.h>
+#include <c10/core/Event.h>
 #include <c10/core/GradMode.h>
+#include <c10/core/impl/DeviceGuardImplInterface.h>
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/variable.h>
 
 #include <thread>
 
+#include "runtime/device.h"
 #include "runtime/errors.h"
+#include "runtime/head_lane.h"
 #include "zbpipe/error.h"
 #include "zbpipe/vocab.h"
 
@@ -32,8 +36,21 @@ void accumulate(at::Tensor& p, at::Tensor g) {
 }  // namespace
 
 VocabRun::VocabRun(P2P& p2p, std::shared_ptr<VocabHandle> handle, const Program& program)
-    : p2p_(p2p), handle_(std::move(handle)), pp_(program.pp), rank_(p2p.rank()), root_(vocab_root(program)),
-      microbatches_(program.microbatches), shard_(handle_->shard()), slots_(program.microbatches) {}
+    : p2p_(p2p), coll_(&p2p), handle_(std::move(handle)), pp_(program.pp), rank_(p2p.rank()),
+      root_(vocab_root(program)), microbatches_(program.microbatches), shard_(handle_->shard()),
+      slots_(program.microbatches) {
+  if (p2p_.stream_ordered() && device_has_events(p2p_.device()))
+    stream_ = c10::impl::getDeviceGuardImpl(p2p_.device().type())->getStreamFromGlobalPool(p2p_.device(), false);
+}
+
+void VocabRun::set_collectives(P2P& collectives) {
+  ZB_CHECK(collectives.rank() == rank_ && collectives.size() == pp_, "the vocabulary collectives' group has rank ",
+           collectives.rank(), " of ", collectives.size(), ", the pipeline's ", rank_, " of ", pp_);
+  coll_ = &collectives;
+  if (!stream_) lane_ = std::make_unique<HeadLane>();  // the host has no stream of its own to give it
+}
+
+
 
 VocabRun::Slot& VocabRun::slot(int mb) {
   ZB_CHECK(mb >= 0 && mb < microbatches_, "vocabulary microbatch ", mb, " out of range");
@@ -84,22 +101,28 @@ void VocabRun::wait(const std::shared_ptr<Batch>& batch, Kind k, int mb, int64_t
   const std::string what = k == Kind::BCAST_F ? detail::str(name(k, mb), " (from rank ", root_, ")")
                            : k == Kind::REDUCE_B ? detail::str(name(k, mb), " (from every rank)")
                                                  : detail::str(name(k, mb), " (from every rank)");
-  p2p_.wait(batch, timeout_, what);
+  coll_->wait(batch, timeout_, what);
   wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void VocabRun::post_broadcast(int mb) {
+void VocabRun::do_post_broadcast(int mb, const std::shared_ptr<c10::Event>& stages_done) {
   Slot& s = slot(mb);
+  // The root's reads the last stage's output: on a device the head's stream first waits for
+  // the stages' up to here. The others' go into a buffer of their own.
+  if (stages_done) stages_done->block(*stream_);
   if (rank_ != root_)
     s.hidden = at::empty({s.target.numel(), shard_.in_features}, weight_.options().requires_grad(false));
   ZB_CHECK(s.hidden.defined(), "'", name(Kind::BCAST_F, mb), "' on the root before the last stage's F");
+  if (stream_ && rank_ == root_) record_on_stream(s.hidden, *stream_);  // made on the stages' stream
   if (pp_ == 1) return;
-  s.bcast = p2p_.post_collective({CollectiveOp::Type::Broadcast, root_, s.hidden}, timeout_, name(Kind::BCAST_F, mb));
+  s.bcast = coll_->post_collective({CollectiveOp::Type::Broadcast, root_, s.hidden}, timeout_, name(Kind::BCAST_F, mb));
 }
 
-void VocabRun::s_pass(int mb, int64_t& wait_ns) {
+void VocabRun::do_s_pass(int mb, int64_t& wait_ns) {
   Slot& s = slot(mb);
-  if (rank_ != root_) wait(s.bcast, Kind::BCAST_F, mb, wait_ns);
+  // The root's own S waits for its broadcast too where the head has a lane of its own (the
+  // rendezvous model's rule; on Gloo the root needs nothing from it).
+  if (rank_ != root_ || stream_ || lane_) wait(s.bcast, Kind::BCAST_F, mb, wait_ns);
   at::NoGradGuard no_grad;
   const at::Tensor w = weight_.detach();
   const int64_t n = s.target.numel();
@@ -125,11 +148,11 @@ void VocabRun::s_pass(int mb, int64_t& wait_ns) {
   spend(shard_.emulate_s_ms);
 }
 
-void VocabRun::post_allreduce(int mb) {
+void VocabRun::do_post_allreduce(int mb) {
   Slot& s = slot(mb);
   ZB_CHECK(s.stats.defined(), "'", name(Kind::ALLREDUCE_S, mb), "' before its S");
   if (pp_ == 1) return;
-  s.stats_batch = p2p_.post_collective({CollectiveOp::Type::AllReduceSum, -1, s.stats}, timeout_,
+  s.stats_batch = coll_->post_collective({CollectiveOp::Type::AllReduceSum, -1, s.stats}, timeout_,
                                        name(Kind::ALLREDUCE_S, mb));
 }
 
@@ -151,7 +174,7 @@ void VocabRun::statistics(int mb, int64_t& wait_ns) {
   s.stats_ready = true;
 }
 
-void VocabRun::post_reduce(int mb, int64_t& wait_ns) {
+void VocabRun::do_post_reduce(int mb, int64_t& wait_ns) {
   statistics(mb, wait_ns);
   Slot& s = slot(mb);
   at::NoGradGuard no_grad;
@@ -160,11 +183,15 @@ void VocabRun::post_reduce(int mb, int64_t& wait_ns) {
   s.picked = at::Tensor();
   s.part = part.to(weight_.scalar_type()).contiguous();  // the head's input dtype (begin checks it)
   if (pp_ == 1) return;
-  s.grad_batch = p2p_.post_collective({CollectiveOp::Type::ReduceSum, root_, s.part}, timeout_,
+  s.grad_batch = coll_->post_collective({CollectiveOp::Type::ReduceSum, root_, s.part}, timeout_,
                                       name(Kind::REDUCE_B, mb));
+  if (lane_ && rank_ == root_) {  // the lane completes it for the backward (await_input_grad)
+    wait(s.grad_batch, Kind::REDUCE_B, mb, wait_ns);
+    lane_->mark(mb);
+  }
 }
 
-void VocabRun::t_pass(int mb, int64_t& wait_ns) {
+void VocabRun::do_t_pass(int mb, int64_t& wait_ns) {
   statistics(mb, wait_ns);
   Slot& s = slot(mb);
   at::NoGradGuard no_grad;
@@ -182,9 +209,61 @@ void VocabRun::t_pass(int mb, int64_t& wait_ns) {
   spend(shard_.emulate_t_ms);
 }
 
+// ---- the actions, each on the head's lane --------------------------------------------------
+
+template <typename F>
+void VocabRun::on_lane(F&& f, int64_t& wait_ns) {
+  if (lane_) {
+    lane_->push([f = std::forward<F>(f)]() mutable {
+      int64_t unused = 0;  // the lane's waits are its own time, not the action's
+      f(unused);
+    });
+    return;
+  }
+  const OnHead head(stream_);
+  f(wait_ns);
+}
+
+void VocabRun::post_broadcast(int mb) {
+  std::shared_ptr<c10::Event> stages_done;
+  if (stream_ && rank_ == root_) {  // the last stage's output is made on the stages' stream
+    stages_done = std::make_shared<c10::Event>(p2p_.device().type());
+    stages_done->record(current_stream(p2p_.device()));
+  }
+  int64_t unused = 0;
+  on_lane([this, mb, stages_done](int64_t&) { do_post_broadcast(mb, stages_done); }, unused);
+}
+
+void VocabRun::s_pass(int mb, int64_t& wait_ns) {
+  on_lane([this, mb](int64_t& w) { do_s_pass(mb, w); }, wait_ns);
+}
+
+void VocabRun::post_allreduce(int mb) {
+  int64_t unused = 0;
+  on_lane([this, mb](int64_t&) { do_post_allreduce(mb); }, unused);
+}
+
+void VocabRun::post_reduce(int mb, int64_t& wait_ns) {
+  on_lane([this, mb](int64_t& w) { do_post_reduce(mb, w); }, wait_ns);
+}
+
+void VocabRun::t_pass(int mb, int64_t& wait_ns) {
+  on_lane([this, mb](int64_t& w) { do_t_pass(mb, w); }, wait_ns);
+}
+
 void VocabRun::await_input_grad(int mb, int64_t& wait_ns) {
   Slot& s = slot(mb);
-  wait(s.grad_batch, Kind::REDUCE_B, mb, wait_ns);
+  if (lane_) {  // the lane posted and completed it (do_post_reduce)
+    const auto t0 = std::chrono::steady_clock::now();
+    if (!lane_->wait_mark(mb, t0 + timeout_))
+      throw PipelineError(detail::str("waiting for ", name(Kind::REDUCE_B, mb), " (the head's lane) failed (timeout ",
+                                      timeout_.count() / 1000.0, " s; a peer may have died or diverged)"));
+    wait_ns += std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - t0).count();
+    s.grad_ready = true;
+    return;
+  }
+  wait(s.grad_batch, Kind::REDUCE_B, mb, wait_ns);  // on the stages' stream: the backward's
+  if (stream_) record_on_stream(s.part, current_stream(p2p_.device()));
   s.grad_ready = true;
 }
 
@@ -196,11 +275,32 @@ at::Tensor VocabRun::input_grad(int mb) const {
 
 at::Tensor VocabRun::loss(int mb) {
   int64_t unused = 0;
-  statistics(mb, unused);
+  if (lane_) lane_->drain();  // the step's actions ran: the statistics are there
+  {
+    const OnHead head(stream_);
+    statistics(mb, unused);
+  }
+  if (stream_) record_on_stream(slot(mb).loss, current_stream(p2p_.device()));
   return slot(mb).loss;
 }
 
+void VocabRun::finish() {
+  if (lane_) lane_->drain();
+  if (coll_ != &p2p_) coll_->settle(timeout_);
+  if (!stream_) return;
+  c10::Event joined(p2p_.device().type());
+  joined.record(*stream_);
+  joined.block(current_stream(p2p_.device()));
+}
+
 void VocabRun::end() {
+  if (lane_) {  // a failure: the lane's waits were aborted with the communication
+    try {
+      lane_->drain();
+    } catch (const std::exception&) {
+    }
+    lane_->clear();
+  }
   for (Slot& s : slots_) s = Slot{};
   weight_ = bias_ = at::Tensor();
 }

@@ -18,13 +18,18 @@
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <c10/core/Event.h>
+#include <c10/core/Stream.h>
+#include <c10/core/StreamGuard.h>
 
 #include <chrono>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
+#include "runtime/head_lane.h"
 #include "runtime/p2p.h"
 #include "runtime/stage_handle.h"
 #include "runtime/vocab_handle.h"
@@ -32,11 +37,25 @@
 
 namespace zbpipe::runtime {
 
+// On a backend whose messages complete on the host (Gloo) the collectives go over the
+// pipeline's group and the actions run in line. On a stream-ordered backend (NCCL, or any
+// group posted as one) they need what the core's rendezvous model shows
+// (validate_rendezvous.cpp): the collectives on a communicator of their own (set_collectives:
+// a P2P over a group of their own; on the messages' one a rank's early broadcast post would
+// hold back the sends its root waits for), and every vocabulary action on a lane of its own (a
+// T waiting for its statistics must not hold back the stages' posts): a stream of its own on a
+// device (the root's broadcast first waits for the stages' stream; the root's backward waits
+// for the reduction), a thread of its own on a host without streams (HeadLane: the root's lane
+// completes the reduction and marks it for the backward). finish() drains the lane, completes
+// the collectives and joins the head's stream into the caller's.
+//
 // Not thread-safe: the executor's thread (input_grad also from the worker, once awaited).
 class VocabRun {
  public:
   // `p2p` outlives this object; `program` is the executor's (with vocabulary actions).
   VocabRun(P2P& p2p, std::shared_ptr<VocabHandle> handle, const Program& program);
+  // Stream-ordered backends: the collectives' P2P (outlives this object, or is replaced).
+  void set_collectives(P2P& collectives);
 
   // The step's start: its targets and the shard's parameters from the handle, the loss scale and
   // the bound of every wait. On the root, `hidden` is the last stage's agreed output signature:
@@ -61,6 +80,10 @@ class VocabRun {
   // The loss of `mb` (mean over its counted tokens), waiting for its statistics if needed.
   at::Tensor loss(int mb);
 
+  // The step's end, before end(): completes the collectives of a P2P of their own (a
+  // non-root's reduction is never waited for) and joins the head's stream into the caller's,
+  // so the shard's gradients and the losses are ordered before what follows on it.
+  void finish();
   // The step's end (its collectives completed) or failure: drops the step's tensors.
   // With one rank (pp = 1) nothing is posted and nothing waits: the one shard is the head.
   void end();
@@ -84,7 +107,33 @@ class VocabRun {
   // Waits for the statistics of `mb` and derives the loss, g and g alpha_r (once).
   void statistics(int mb, int64_t& wait_ns);
 
+  // The actions' bodies, run by on_lane.
+  void do_post_broadcast(int mb, const std::shared_ptr<c10::Event>& stages_done);
+  void do_s_pass(int mb, int64_t& wait_ns);
+  void do_post_allreduce(int mb);
+  void do_post_reduce(int mb, int64_t& wait_ns);
+  void do_t_pass(int mb, int64_t& wait_ns);
+  // Runs f(wait_ns) on the head's lane: queued on its thread (lane_), else here under its
+  // stream (stream_), else here.
+  template <typename F>
+  void on_lane(F&& f, int64_t& wait_ns);
+
+  // The head's stream for the scope of a pass (stream-ordered backends on a device with
+  // streams), else nothing; `on` false: nothing either.
+  class OnHead {
+   public:
+    explicit OnHead(const std::optional<c10::Stream>& stream, bool on = true) {
+      if (stream && on) guard_.emplace(*stream);
+    }
+
+   private:
+    std::optional<c10::StreamGuard> guard_;
+  };
+
   P2P& p2p_;
+  P2P* coll_;  // the collectives': p2p_, or set_collectives'
+  std::optional<c10::Stream> stream_;  // the head's, see on_head
+  std::unique_ptr<HeadLane> lane_;     // stream-ordered posting on a host without streams
   std::shared_ptr<VocabHandle> handle_;
   const int pp_, rank_, root_, microbatches_;
   VocabShard shard_;

@@ -1,4 +1,4 @@
-"""zbpipe/auto_plan.py without processes: plan() on hand-made measurements (pp=2, one stage per
+"""zbpipe/tuning/auto_plan.py without processes: plan() on hand-made measurements (pp=2, one stage per
 rank) judges every candidate under the measured costs plus the unmodelled time, picks the
 fitting one of least prediction, refuses a budget below every need with ScheduleAuto's message,
 plans the cost-driven candidate under each rank's own budget, names the near candidates of a

@@ -248,3 +248,48 @@ def test_program_names_strings_values_paths_text(tmp_path):
         assert [back.actions(r) for r in range(2)] == [prog.actions(r) for r in range(2)]
     for old in ("rank_actions", "csv"):
         assert not hasattr(prog, old)
+
+
+# ---- the package's layout ------------------------------------------------------------------
+
+def test_the_tuning_modules_old_paths_are_the_same_modules():
+    import importlib
+
+    from zbpipe import tuning
+
+    for name in tuning.MODULES:
+        old, new = importlib.import_module(f"zbpipe.{name}"), importlib.import_module(f"zbpipe.tuning.{name}")
+        assert old is new and getattr(zbpipe, name) is new, name
+        assert Path(new.__file__).parent.name == "tuning" and not (Path(zbpipe.__file__).parent / f"{name}.py").exists()
+    from zbpipe.schedule_auto import ScheduleAuto
+    from zbpipe.stage_costs import profile_from_trace
+
+    assert ScheduleAuto is zbpipe.ScheduleAuto and profile_from_trace is zbpipe.profile_from_trace
+
+
+def _private_imports(path: Path) -> list[str]:
+    """`from .x import _y` and `x._y` on a zbpipe module x, in one file (package-private
+    modules such as _C and _tree are modules, not a module's private names)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found, modules = [], set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.level or (node.module or "").startswith("zbpipe")):
+            base = Path(path).parent.joinpath(*[".."] * (node.level - 1), *(node.module or "").split("."))
+            for alias in node.names:
+                is_module = any(base.glob(f"{alias.name}.*")) or (base / alias.name).is_dir()  # _C: a .so
+                if is_module:
+                    modules.add(alias.asname or alias.name)
+                elif alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{path.name}:{node.lineno}: from {node.module} import {alias.name}")
+    for node in ast.walk(tree):
+        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in modules
+                and node.value.id != "_C" and node.attr.startswith("_") and not node.attr.startswith("__")):
+            found.append(f"{path.name}:{node.lineno}: {node.value.id}.{node.attr}")
+    return found
+
+
+def test_no_module_of_zbpipe_uses_another_ones_private_names():
+    root = Path(zbpipe.__file__).parent
+    assert [f for p in sorted(root.rglob("*.py")) for f in _private_imports(p)] == []

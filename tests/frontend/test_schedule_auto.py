@@ -1,4 +1,4 @@
-"""ScheduleAuto (zbpipe/schedule_auto.py) at pp=2 over Gloo: gradients exact across the switch
+"""ScheduleAuto (zbpipe/tuning/schedule_auto.py) at pp=2 over Gloo: gradients exact across the switch
 from the measuring steps (the default: memory, then three timing steps, the second of them
 1f1b's where the stages are one per rank) to the chosen program (steps 1-6 against one
 process) for the three placements, every rank on the same program, the budget deciding the

@@ -381,6 +381,85 @@ def test_data_parallelism_gained_after_the_first_step_is_refused(spawn_world):
         assert "became data-parallel" in msg and "after this schedule's first step" in msg, msg
 
 
+# ---- pp=2, FSDP's bf16 mixed precision: torchtitan's default ---------------------------------
+
+def _write_v_fill_drain_csv(path: str) -> None:
+    """The V placement (rank 0: stages 0 and 3, rank 1: stages 1 and 2) with full backwards:
+    all forwards, then all backwards, each stage's microbatches in order (torch's CSV layout)."""
+    def row(a, b):
+        return ",".join([f"{a}F{m}" for m in range(M)] + [f"{b}F{m}" for m in range(M)]
+                        + [f"{b}B{m}" for m in range(M)] + [f"{a}B{m}" for m in range(M)])
+
+    with open(path, "w") as f:
+        f.write(row(0, 3) + "\n" + row(1, 2) + "\n")
+
+
+def case_mixed_precision_split_equals_fused(rank, world, split_name, csv_path, deferred=False):
+    """torchtitan's parallelize_fn applies fully_shard (on a dp mesh of size 1 when dp is off)
+    with MixedPrecisionPolicy(param_dtype=bfloat16, reduce_dtype=float32). The schedule that
+    splits the backward must give the gradients of the one with full backwards on the same
+    stage placement: FSDP sums each microbatch's bf16 gradient in float32. Returns
+    {schedule: [(losses, grads) per step]}."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = _mesh(1, world)
+    placement = get_schedule_class(split_name)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    out = {}
+    for name in (split_name, "fused"):
+        torch.manual_seed(0)
+        whole = Decoder()
+        names = fqns_per_stage(2 * world)
+        stages, model_parts = [], []
+        for idx in stage_indices(rank, world, placement, len(names)):
+            chunk = split_module(whole, names[idx])
+            stages.append(PipelineStage(chunk, idx, len(names), local_device(rank), group=mesh["pp"].get_group(),
+                                        deferred_linear=deferred and name != "fused"))
+            model_parts.append(chunk)
+        for i, m in enumerate(model_parts):
+            for layer in m.layers.values():
+                fully_shard(layer, mesh=mesh["dp"], mp_policy=mp)
+            model_parts[i] = stages[i].submod = fully_shard(m, mesh=mesh["dp"], mp_policy=mp)
+        if name != "fused":
+            schedule = build_schedule(name, stages)
+        elif placement in (ScheduleZBVZeroBubble, ScheduleDualPipeV):  # V placement: torchtitan's CSV path, full backwards
+            schedule = _PipelineScheduleRuntime(stages, n_microbatches=M, loss_fn=_scalar_loss_fn, scale_grads=False,
+                                                backward_requires_autograd=True)
+            schedule._load_csv(csv_path)
+        else:
+            schedule = build_schedule("Interleaved1F1B", stages)
+        has_first = any(s.is_first for s in stages)
+        has_last = any(s.is_last for s in stages)
+        opt = torch.optim.SGD([p for m in model_parts for p in m.parameters()], lr=0.1)
+        steps = []
+        for k in range(STEPS):
+            opt.zero_grad()
+            mbs = microbatches(k)
+            losses = pp_forward_backward_step(schedule, has_first, has_last, mbs, sum(y.numel() for _, y in mbs))
+            steps.append((losses, {n: g.clone() for n, g in _grads_of(model_parts).items()}))
+            opt.step()
+        out[name] = steps
+    return out
+
+
+MP_FORMS = [("InterleavedZeroBubble", False), ("ZBVZeroBubble", False), ("DualPipeV", False),
+            ("InterleavedZeroBubble", True)]
+
+
+@pytest.mark.parametrize("split_name,deferred", MP_FORMS, ids=[f"{n}-deferred_linear={d}" for n, d in MP_FORMS])
+def test_split_backward_under_fsdp_mixed_precision_equals_full_backwards(spawn_world, tmp_path, split_name, deferred):
+    csv_path = str(tmp_path / "v_fill_drain.csv")
+    _write_v_fill_drain_csv(csv_path)
+    for rank, got in enumerate(spawn_world(2).run(case_mixed_precision_split_equals_fused, split_name, csv_path,
+                                                  deferred, timeout_s=300)):
+        for k, ((losses, grads), (want_losses, want_grads)) in enumerate(zip(got[split_name], got["fused"])):
+            assert_close(losses, want_losses, msg=lambda m, k=k: f"rank {rank} step {k} losses: {m}")
+            assert grads.keys() == want_grads.keys() and grads, (rank, sorted(grads), sorted(want_grads))
+            for n, g in grads.items():
+                assert g.dtype == torch.float32, (n, g.dtype)
+                assert_close(g, want_grads[n], msg=lambda m, n=n, k=k: f"{split_name} rank {rank} step {k} grad of {n}: {m}")
+
+
 # ---- one loopback rank: argument forms and checks ---------------------------------------------
 
 def _loopback_stages(num_stages: int, seed: int = 0):

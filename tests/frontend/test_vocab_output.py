@@ -177,3 +177,45 @@ def test_post_accumulate_grad_hooks_run_once_per_microbatch_on_the_shard(name):
         assert len(grads) == 4, (pname, len(grads))
         assert not torch.equal(grads[0], grads[-1])  # each saw the sum so far, the last the whole
         torch.testing.assert_close(grads[-1], getattr(out, pname).grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", ["1f1b", "zbv"])
+def test_two_ranks_posting_as_on_nccl_in_one_process(name):
+    # The loopback world posting as NCCL does (stream_ordered=True): the head's collectives go
+    # over a loopback world of their own, which the world's backend provides (its broadcast,
+    # all-reduce and reduce), the head's actions on their lane; losses and every gradient equal
+    # one process's.
+    from helpers.loopback import run_threads
+
+    world = _C._LoopbackWorld(2, store=True)
+    program = zbpipe.compile(name, 2, 4)
+    torch.manual_seed(2)
+    mods = [nn.Sequential(nn.Embedding(V, D), nn.Tanh())] + [nn.Sequential(nn.Linear(D, D), nn.Tanh())
+                                                             for _ in range(program.num_stages - 1)]
+    head = _head()
+    x, y = torch.randint(V, (8, 5)), torch.randint(V, (8, 5))
+    ref_mods, ref_head = copy.deepcopy(mods), copy.deepcopy(head)
+    h = x
+    for m in ref_mods:
+        h = m(h)
+    ref_losses = [F.cross_entropy(ref_head(hc).flatten(0, 1), yc.flatten()) for hc, yc in zip(h.chunk(4), y.chunk(4))]
+    torch.stack(ref_losses).mean().backward()
+    outs = [zbpipe.VocabParallelOutput(head, group=world.group(r)) for r in range(2)]
+
+    def rank_main(r):
+        mine = [s for s in range(program.num_stages) if program.stage_to_rank[s] == r]
+        stages = [zbpipe.PipelineStage(mods[s], s, program.num_stages, "cpu", group=world.group(r)) for s in mine]
+        cls = zbpipe.get_schedule_class(name)
+        sched = cls(stages[0] if issubclass(cls, zbpipe.PipelineScheduleSingle) else stages, 4, output=outs[r],
+                    stream_ordered=True, timeout=30.0)
+        losses = []
+        sched.step(*((x,) if 0 in mine else ()), target=y, losses=losses)
+        return losses
+
+    results = run_threads(world, rank_main, timeout=60)
+    root = program.stage_to_rank[-1]
+    torch.testing.assert_close(torch.stack(results[root]), torch.stack(ref_losses).detach(), rtol=1e-5, atol=0)
+    for m, r in zip(mods, ref_mods):
+        for p, q in zip(m.parameters(), r.parameters()):
+            torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(torch.cat([o.weight.grad for o in outs]), ref_head.weight.grad, rtol=1e-5, atol=1e-7)

@@ -1,8 +1,9 @@
 """The one tolerance of the suite and the comparisons built on it.
 
 A pipelined step computes the same math as one process, summed in another order (per
-microbatch, then accumulated): results agree to float reassociation, RTOL/ATOL below, and every
-comparison of losses, outputs and gradients uses them through torch.testing.assert_close. The
+microbatch, then accumulated): results agree to float reassociation, RTOL/ATOL below (fp32:
+relative 1e-5, issue 44's bound), and every comparison of losses, outputs and gradients uses
+them through torch.testing.assert_close. The
 one exception is a GPU result against a CPU reference (tests/runtime/test_device_cuda.py):
 other kernels, not only another order, so DEVICE_RTOL/DEVICE_ATOL. Under autocast (bf16, fp16)
 the same math rounds to 8 or 11 bits, summed in another order: LOWP_RTOL/LOWP_ATOL (issue 44's
@@ -16,7 +17,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-RTOL, ATOL = 1e-4, 1e-6
+RTOL, ATOL = 1e-5, 1e-6
 DEVICE_RTOL, DEVICE_ATOL = 1e-3, 1e-5
 LOWP_RTOL, LOWP_ATOL = 2e-2, 2e-2
 

@@ -76,7 +76,7 @@ def _check_shard(out, ref_head, what):
     assert _rel(out.bias.grad, ref_head.bias.grad[b:e]) <= TOL, f"{what}: bias rows {b}:{e}"
 
 
-def _exact(rank, size, name):
+def _exact(rank, size, name, **options):
     m = 2 * size
     program = zbpipe.compile(name, size, m)
     mods, head = _lm(program.num_stages)
@@ -87,7 +87,7 @@ def _exact(rank, size, name):
     stages = [zbpipe.PipelineStage(mods[s], s, program.num_stages, "cpu") for s in mine]
     out = zbpipe.VocabParallelOutput(head)
     losses = []
-    _schedule(name, stages, m, output=out).step(*((x,) if 0 in mine else ()), target=y, losses=losses)
+    _schedule(name, stages, m, output=out, **options).step(*((x,) if 0 in mine else ()), target=y, losses=losses)
     for s in mine:
         for (n, p), q in zip(mods[s].named_parameters(), ref_mods[s].parameters()):
             assert _rel(p.grad, q.grad) <= TOL, f"{name}: stage {s} {n}"
@@ -106,6 +106,22 @@ def _exact(rank, size, name):
 def test_loss_and_every_gradient_equal_one_process(spawn_world, name, pp):
     ranges = spawn_world(pp).run(_exact, name, timeout_s=180)
     assert ranges == [(r * V // pp, (r + 1) * V // pp) for r in range(pp)]  # uneven shards, in order
+
+
+@pytest.mark.parametrize("pp", [2, 4])
+@pytest.mark.parametrize("name", TRAINING)
+def test_stream_ordered_posting_is_exact_with_the_collectives_on_a_group_of_their_own(spawn_world, name, pp):
+    # NCCL's posting discipline over Gloo (stream_ordered=True): issue-order matching, receives
+    # at their RECV, the collectives on a group zbpipe makes at the first step (Gloo, like the
+    # pipeline's), the head's actions on a lane of their own (a thread: the CPU has no stream
+    # to give them), and the executor's rendezvous check, which models both, passing. Without
+    # the lane, 1f1b at pp=4 deadlocks here (T waiting for its statistics holds back a RECV).
+    ranges = spawn_world(pp).run(_exact_stream_ordered, name, timeout_s=180)
+    assert ranges == [(r * V // pp, (r + 1) * V // pp) for r in range(pp)]
+
+
+def _exact_stream_ordered(rank, size, name):
+    return _exact(rank, size, name, stream_ordered=True)
 
 
 def _eval_and_two_steps(rank, size):
@@ -212,7 +228,7 @@ class _FailsAt(nn.Module):
         return self.inner(x)
 
 
-def _failing(rank, size):
+def _failing(rank, size, **options):
     group = dist.new_group(list(range(size)))  # a failed step leaves its group unusable: not the world's
     m = 2 * size
     program = zbpipe.compile("1f1b", size, m)
@@ -221,7 +237,7 @@ def _failing(rank, size):
     x, y = _batch(m)
     mine = local_stages(program, rank)
     stages = [zbpipe.PipelineStage(mods[s], s, program.num_stages, "cpu", group=group) for s in mine]
-    sched = _schedule("1f1b", stages, m, output=zbpipe.VocabParallelOutput(head, group=group))
+    sched = _schedule("1f1b", stages, m, output=zbpipe.VocabParallelOutput(head, group=group), **options)
     start = time.monotonic()
     try:
         sched.step(*((x,) if 0 in mine else ()), target=y)
@@ -230,8 +246,14 @@ def _failing(rank, size):
     return "no error", 0.0
 
 
-def test_a_failure_mid_step_reaches_every_rank_naming_the_culprit(spawn_world):
-    results = spawn_world(4).run(_failing, timeout_s=120)
+def _failing_stream_ordered(rank, size):
+    return _failing(rank, size, stream_ordered=True)
+
+
+@pytest.mark.parametrize("posting", ["gloo", "stream_ordered"])
+def test_a_failure_mid_step_reaches_every_rank_naming_the_culprit(spawn_world, posting):
+    # stream_ordered: the waits of the head's lane (a thread) end with the abort too.
+    results = spawn_world(4).run(_failing if posting == "gloo" else _failing_stream_ordered, timeout_s=120)
     assert results[0][0].startswith("rank 0 failed in stage 0 at action 0F2"), results[0][0]
     for line, seconds in results[1:]:
         assert line.startswith("aborted because rank 0 failed in stage 0 at action 0F2"), line

@@ -324,3 +324,40 @@ def test_the_schedule_picture_names_both_shades_of_a_v_and_keeps_its_text_apart(
         assert (labels[-3:-1] == shades) if shaded else not set(shades) & set(labels), (name, labels)
         a, b = legend.get_window_extent(renderer), ax.xaxis.get_tightbbox(renderer)
         assert not (a.x0 < b.x1 and b.x0 < a.x1 and a.y0 < b.y1 and b.y0 < a.y1), name
+
+
+def test_one_parser_tree_one_error_class(capsys):
+    """Every subcommand is a module's add_arguments + run_command in zbpipe.cli's one tree, and
+    every user error is a CliError: one line, the train's too (its own argparse parser printed
+    the usage first)."""
+    import zbpipe.bench.command as bench_command
+    import zbpipe.schedule_commands as schedule_commands
+    from zbpipe import cli
+    from zbpipe.bench import BenchError
+
+    tree = cli.build_parser()._subparsers._group_actions[0].choices
+    commands = cli.subcommands()
+    assert list(tree) == list(commands) and {"plan", "simulate", "draw", "bench"} <= set(tree)
+    assert commands["bench"].run_command is bench_command.run_command
+    assert commands["plan"].add_arguments is schedule_commands.add_plan_arguments
+    assert issubclass(BenchError, cli.CliError)
+    if "train" in commands:
+        import importlib
+
+        train_main = importlib.import_module("zbpipe.train.main")  # zbpipe.train.main is also its main()
+        assert commands["train"].run_command is train_main.run_command
+        code, _, err = run(capsys, "train", "--batch-size", "0")
+        assert code == 2 and err == "zbpipe train: error: --pp, --dp, --microbatches, --steps and --batch-size " \
+                                    "must be >= 1\n", err
+    for argv, prog in ((["bench", "--bogus"], "zbpipe bench"), (["plan", "zb_h1", "--bogus"], "zbpipe")):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and err == f"{prog}: error: unrecognized arguments: --bogus\n", err
+
+
+def test_the_launcher_is_zbpipe_launch_and_its_old_path_works():
+    import zbpipe.launch
+    import zbpipe.train.launcher
+
+    for name in ("LocalWorld", "RankFailure", "rank_device", "run_local"):
+        assert getattr(zbpipe.train.launcher, name) is getattr(zbpipe.launch, name)
+    assert zbpipe.launch.LocalWorld.__module__ == "zbpipe.launch"

@@ -1,4 +1,5 @@
-"""`zbpipe bench`: its options, `run(...)` (the rows) and `main(argv)` (the table, --json, --draw).
+"""`zbpipe bench`: its options and what runs them (add_arguments, run_command: a subcommand of
+zbpipe/cli.py), `run(...)` (the rows, for Python callers) and `main(argv)` (`python -m zbpipe.bench`).
 
     zbpipe bench --pp 8 --microbatches 16 --f 2 --i 2 --w 2          # every training schedule, vs torch
     zbpipe bench --pp 4 --schedules 1f1b,zbv --lib zbpipe --json out.json --draw zbv.png
@@ -11,6 +12,8 @@ import argparse
 import sys
 
 from .. import _C
+from ..cli import Subcommand
+from ..cli import main_of as cli_main_of
 from .config import AC_MODES, DEVICES, LIBRARIES, MODELS, BenchConfig, BenchError
 from .. import torchrun
 from .launch import launch
@@ -39,13 +42,8 @@ def _bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"expected bytes (like 262144, 256K, 1M), got '{text}'") from None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line and exit status 2, as the zbpipe command's errors
-        raise BenchError(message)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `zbpipe bench` (shared by the zbpipe command and python -m zbpipe.bench)."""
+    """The options of `zbpipe bench`."""
     d = BenchConfig()
     p.add_argument("--pp", type=_int, default=None,
                    help=f"pipeline ranks (processes); default {d.pp}, or WORLD_SIZE under torchrun")
@@ -136,26 +134,16 @@ bytes, measured / predicted. Spawns --pp local processes (Gloo on 127.0.0.1; NCC
 --device cuda), or joins torchrun's world when WORLD_SIZE is set. See docs/benchmarks.md."""
 
 
-def main(argv: list[str] | None = None, out=None) -> int:
+def run_command(ns: argparse.Namespace) -> int:
+    """`zbpipe bench`: the table, and --json, --draw (BenchError before any process starts)."""
     from .report import table, write_json
 
-    out = out or sys.stdout
-    p = _Parser(prog="zbpipe bench", description=__doc__.splitlines()[0],
-                formatter_class=argparse.RawDescriptionHelpFormatter, epilog=_EPILOG)
-    add_arguments(p)
-    try:
-        try:
-            ns = p.parse_args(argv)
-        except SystemExit as exc:  # --help
-            return int(exc.code or 0)
-        cfg = config_from_args(ns)
-        check_optional(ns)
-        result = measure(cfg)
-    except BenchError as exc:
-        print(f"zbpipe bench: error: {exc}", file=sys.stderr)
-        return 2
+    cfg = config_from_args(ns)
+    check_optional(ns)
+    result = measure(cfg)
     if result is None:  # torchrun, not rank 0
         return 0
+    out = sys.stdout
     print(table(cfg, result), file=out, flush=True)
     if ns.json:
         write_json(ns.json, cfg, result)
@@ -163,3 +151,10 @@ def main(argv: list[str] | None = None, out=None) -> int:
     if ns.draw:
         _draw(ns.draw, cfg, result, out)
     return 0
+
+
+COMMAND = Subcommand(add_arguments, run_command, error_prog="zbpipe bench",
+                     help="microbenchmark on emulated devices: realized vs simulated step, vs torch (zbpipe.bench)",
+                     description="Microbenchmark on emulated devices: realized vs simulated step, vs torch.",
+                     epilog=_EPILOG)
+main = cli_main_of("bench")  # `python -m zbpipe.bench ...`: `zbpipe bench ...`

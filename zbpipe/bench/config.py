@@ -13,6 +13,7 @@ import dataclasses
 import math
 
 from .. import _C
+from ..cli import CliError
 from ..programs import compile as compile_schedule
 from ..programs import schedule_names
 
@@ -23,8 +24,9 @@ AC_MODES = ("off", "on", "both")
 AUTO = "auto"  # the pseudo-schedule: zbpipe.ScheduleAuto over one stage per rank
 
 
-class BenchError(ValueError):
-    """Bad input to zbpipe bench, found before any process starts."""
+class BenchError(CliError, ValueError):
+    """Bad input to zbpipe bench, found before any process starts (the command's one-line error;
+    a ValueError to Python callers of zbpipe.bench.run)."""
 
 
 def training_schedules() -> list[str]:

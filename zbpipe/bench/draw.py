@@ -7,9 +7,9 @@ from __future__ import annotations
 import os
 
 from .. import _C
-from ..plot import COLORS, Box, _lighter, legend_handles, program_boxes
+from ..plot import COLORS, Box, legend_handles, lighter, program_boxes
 from ..programs import simulate
-from ..stage_costs import compile_costs
+from ..tuning.stage_costs import compile_costs
 from ..timeline_text import chunk_of
 
 
@@ -34,7 +34,7 @@ def _panel(ax, boxes: list[Box], pp: int, end: float, title: str) -> None:
     for b in boxes:
         color = COLORS.get(b.kind, "#999999")
         ax.broken_barh([(b.start, b.end - b.start)], (pp - 1 - b.rank - 0.3, 0.7),
-                       facecolors=[_lighter(color) if b.chunk % 2 else color], edgecolors="white", linewidth=0.4)
+                       facecolors=[lighter(color) if b.chunk % 2 else color], edgecolors="white", linewidth=0.4)
     ax.set_xlim(0, end)
     ax.set_ylim(-0.6, pp - 0.4)
     ax.set_yticks(range(pp))

@@ -1,4 +1,4 @@
-"""Where `zbpipe bench` runs: a spawned local world of pp processes (zbpipe.train.launcher), or,
+"""Where `zbpipe bench` runs: a spawned local world of pp processes (zbpipe/launch.py), or,
 under torchrun (its variables set), torchrun's world, one rank per process, across nodes: it
 joins as `zbpipe train` does (zbpipe.torchrun: --device cuda takes LOCAL_RANK's GPU, NCCL, with
 Gloo for the CPU objects) and needs WORLD_SIZE == pp.
@@ -10,13 +10,12 @@ import torch
 import torch.distributed as dist
 
 from .. import torchrun
+from ..launch import rank_device, run_local
 from .config import BenchConfig, BenchError
 from .worker import bench_rank
 
 
 def _local_rank_main(rank: int, world: int, cfg: BenchConfig) -> dict | None:
-    from ..train.launcher import rank_device
-
     gathered = bench_rank(rank, world, cfg, rank_device())
     return gathered if rank == 0 else None
 
@@ -45,8 +44,6 @@ def launch(cfg: BenchConfig) -> dict | None:
         raise BenchError(str(e)) from None
     if env is not None:
         return _torchrun(env, cfg)
-    from ..train.launcher import run_local
-
     if cfg.device == "cuda" and not torch.cuda.is_available():
         raise BenchError("--device cuda: torch.cuda.is_available() is False")
     return run_local(_local_rank_main, cfg.pp, (cfg,), device=cfg.device, timeout_s=cfg.timeout_s,

@@ -2,12 +2,13 @@
 
 Per (schedule, AC): realized step (median over repetitions of the slowest rank's step), the
 simulation under the nominal costs and under the costs the run's own trace measured (per-stage
-mean F, I, W, B host times, receive waits excluded; device times on CUDA), both with the
-measured hop latency (inside the steps: a waiting action's wait end less the end of its
-producer on the other rank, median; across hosts, whose clocks differ, the ping-pong's one-way
-time); the realization gap (realized / measured-cost simulation); beside it the run-queue
-delay (host_load.py: how long the rank's executor thread waited for a CPU per step, the
-largest over ranks, and its share of the realized step); zbpipe/torch; host time per action;
+median F, I, W, B host times, receive waits excluded; device times on CUDA: the measuring
+recipe's rule, zbpipe/tuning/measurements.py), both with the measured hop latency (inside the
+steps: a waiting action's wait end less the end of its producer on the other rank, median;
+across hosts, whose clocks differ, the one-way latency round a ring); the realization gap
+(realized / measured-cost simulation); beside it the run-queue delay (host_load.py: how long
+the rank's executor thread waited for a CPU per step, the largest over ranks, and its share of
+the realized step); zbpipe/torch; host time per action;
 peak saved-activation bytes measured against the simulator's prediction. Warnings follow the
 table where the ranks outnumber a host's CPUs or a run's delay exceeds a few percent of its
 step: its gap is then partly the host's.
@@ -20,8 +21,9 @@ import math
 import statistics
 
 from .. import _C
+from ..tuning.measurements import merge_stage_costs
 from ..programs import simulate
-from ..stage_costs import compile_costs
+from ..tuning.stage_costs import compile_costs
 import re
 
 from .config import AUTO, BenchConfig
@@ -43,9 +45,7 @@ def _realized(ranks: list[dict], key) -> float | None:
 
 def _measured_sim(program: _C.Program, ranks: list[dict], key, comm_s: float) -> tuple[float | None, dict]:
     """The program simulated under the per-stage costs the ranks' traces measured."""
-    profile: dict = {}
-    for r in ranks:
-        profile.update(r[key].get("profile", {}))
+    profile = merge_stage_costs([r[key].get("profile", {}) for r in ranks if key in r])
     try:
         costs = compile_costs(profile, program.num_stages)
     except ValueError:
@@ -142,7 +142,7 @@ def rows(cfg: BenchConfig, gathered: dict) -> list[dict]:
             nominal = predicted = measured = None
             profile = {}
             if program is not None:
-                # The hop inside the steps where every rank shares one clock, else the ping-pong's.
+                # The hop inside the steps where every rank shares one clock, else the ring's (one-way latency).
                 in_step = step_hop(program, ranks, zk) if gathered.get("one_host") else None
                 comm_s = in_step if in_step is not None else comm
                 row["hop_ms"] = comm_s * 1e3

@@ -1,6 +1,7 @@
 """One rank of `zbpipe bench`: builds every (schedule, library, AC) run on the same stages,
 warms them up, times them alternating step by step (drift on a shared machine hits every run
-alike), measures a hop's P2P latency and bandwidth, and gathers what rank 0 reports.
+alike), measures a hop's one-way latency and the bandwidth apart (zbpipe/tuning/measurements.py), and
+gathers what rank 0 reports.
 
 Every rank returns the gathered measurements (report.rows turns them into the table)."""
 
@@ -15,8 +16,8 @@ import torch
 import torch.distributed as dist
 
 from ..group_timeout import group_timeout_s
-from ..measurements import hop_s, sync_device
-from ..stage_costs import _COMPUTE, _took_s
+from ..tuning.measurements import bandwidth_probe, one_way_latency_s, sync_device
+from ..tuning.stage_costs import action_times, median_costs
 from .config import AUTO, BenchConfig, torch_has
 from .emulated import SavedBytes
 from .host_load import RunQueue, host_info
@@ -32,31 +33,16 @@ def all_agree(ok: bool, device: torch.device) -> bool:
     return bool(flag.item())
 
 
-def measure_hop(rank: int, world: int, nbytes: int, device: torch.device, reps: int = 20) -> dict:
-    """One-way time of a message of `nbytes` (half a ping-pong between ranks 0 and 1, median:
-    zbpipe.measurements.hop_s, as ScheduleAuto's) and of a 4-byte one: {"hop_s", "latency_s",
-    "bandwidth_Bps"}, the same on every rank; zeros in a world of one."""
-    out = {"hop_s": 0.0, "latency_s": 0.0, "bandwidth_Bps": 0.0}
+def measure_hop(rank: int, world: int, nbytes: int, device: torch.device, reps: int = 5) -> dict:
+    """{"hop_s": the one-way latency of a message of `nbytes` between neighbouring ranks (round a
+    ring: zbpipe.measurements.one_way_latency_s, as ScheduleAuto's), "latency_s": of a 4-byte
+    one, "bandwidth_Bps": the bandwidth probe's (measurements.bandwidth_probe, 4 MiB)}, the
+    same on every rank; zeros in a world of one. `rank` is unused (every rank takes part)."""
     if world < 2:
-        return out
-    out["latency_s"] = hop_s(4, device, reps=reps)
-    out["hop_s"] = hop_s(nbytes, device, reps=reps)
-    out["bandwidth_Bps"] = nbytes / out["hop_s"] if out["hop_s"] > 0 else 0.0
-    return out
-
-
-def mean_costs(records: list[dict]) -> dict[int, dict[str, float | None]]:
-    """{stage: {"f", "i", "w", "b": seconds}}: the mean time of each compute kind over the
-    records (profile_from_trace's per-action time: device time where recorded, else host time
-    less the receive wait). Means, not profile_from_trace's medians: a step is a sum of
-    action times, and the slow tail of a contended host is part of it."""
-    times: dict[int, dict[str, list[float]]] = {}
-    for r in records:
-        m = _COMPUTE.match(r["action"])
-        if m:
-            times.setdefault(int(m.group(1)), {}).setdefault(m.group(2).lower(), []).append(max(_took_s(r, "auto"), 0.0))
-    return {s: {k: (statistics.fmean(kinds[k]) if k in kinds else None) for k in "fiwb"}
-            for s, kinds in sorted(times.items())}
+        return {"hop_s": 0.0, "latency_s": 0.0, "bandwidth_Bps": 0.0}
+    probe = bandwidth_probe(device, loops=reps)
+    return {"hop_s": one_way_latency_s(nbytes, device, loops=reps), "latency_s": probe["latency_s"],
+            "bandwidth_Bps": probe["bandwidth_Bps"]}
 
 
 class Run:
@@ -164,7 +150,8 @@ class Run:
                "runq_thread_ns": self.runq.thread_ns, "runq_process_ns": self.runq.process_ns}
         if self.lib == "zbpipe":
             records = [r for t in self.traces for r in t if not r.get("worker")]
-            out["profile"] = mean_costs(records)
+            # The median per stage and kind, as ScheduleAuto and plan_partition cost their stages.
+            out["profile"] = median_costs(action_times(records))
             out["host_per_action_s"] = self.host_per_action()
             out["steps"] = [[(r["action"], r["host_start_ns"], r["host_end_ns"], r.get("wait_ns", 0))
                              for r in t if not r.get("worker")] for t in self.traces]

@@ -31,9 +31,11 @@ from torch.nn.parallel import DistributedDataParallel
 
 import zbpipe
 from zbpipe import torchrun
+from zbpipe.cli import USAGE_ERROR, CliError, Subcommand
+from zbpipe.cli import main as cli_main
 
 from .data import MarkovTask
-from .launcher import rank_device, run_local
+from ..launch import rank_device, run_local
 from . import checkpoint
 from .metrics import SavedActivationMeter, flops_per_token, peak_flops
 from .model import TinyConfig, build_model, build_stages, lm_loss, stage_io_examples
@@ -49,13 +51,8 @@ class _DefaultsHelp(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="zbpipe train",
-        description="Pipelined training of a tiny transformer, checked against the same model "
-        "trained in one process (same seed, data and optimizer).",
-        formatter_class=_DefaultsHelp,
-    )
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The options of `zbpipe train`."""
     p.add_argument("--schedule", default="zbv", choices=sorted(training_schedules()) + ["auto"],
                    help="pipeline schedule")  # auto: ScheduleAuto, one stage per rank (docs/cli.md)
     p.add_argument("--lib", default="zbpipe", choices=LIBRARIES,
@@ -94,7 +91,6 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true",
                    help="continue from the newest checkpoint in --checkpoint DIR, at any --pp/--dp/--schedule, "
                    "up to --steps in all")
-    return p
 
 
 def _config(opts: dict[str, Any], num_stages: int) -> TinyConfig:
@@ -272,69 +268,69 @@ def _report(opts: dict[str, Any], cfg: TinyConfig, program: zbpipe.Program, resu
               f"measured | {predicted[rank % opts['pp']] / 2**10:.1f} KiB predicted", flush=True)
 
 
-def _check_args(p: argparse.ArgumentParser, a: argparse.Namespace,
-                joined: torchrun.TorchrunEnv | None = None) -> zbpipe.Program:
-    """Refuses bad arguments (argparse's usage error, exit status 2) before any process starts
+def _check_args(a: argparse.Namespace, joined: torchrun.TorchrunEnv | None = None) -> zbpipe.Program:
+    """Refuses bad arguments (CliError: one line, exit status 2) before any process starts
     (under torchrun, `joined`: before this rank joins the world); returns the schedule's program
     (its topology)."""
     if a.pp < 1 or a.microbatches < 1 or a.steps < 1 or a.batch_size < 1 or a.dp < 1:
-        p.error("--pp, --dp, --microbatches, --steps and --batch-size must be >= 1")
+        raise CliError("--pp, --dp, --microbatches, --steps and --batch-size must be >= 1")
     try:  # zbpipe validates (pp, microbatches, stages per rank) for either library
         program = _topology(vars(a))
     except zbpipe.ScheduleError as e:
-        p.error(str(e))
+        raise CliError(str(e))
     if a.schedule == "auto" and a.lib != "zbpipe":
-        p.error("--schedule auto needs --lib zbpipe")
+        raise CliError("--schedule auto needs --lib zbpipe")
     try:
         schedule_class(a.lib, "zb_h1" if a.schedule == "auto" else a.schedule)
     except ValueError as e:
-        p.error(f"--lib {a.lib}: {e}")
+        raise CliError(f"--lib {a.lib}: {e}")
     if a.batch_size % (a.microbatches * a.dp) != 0:
-        p.error(f"--batch-size ({a.batch_size}) must be divisible by --microbatches x --dp "
+        raise CliError(f"--batch-size ({a.batch_size}) must be divisible by --microbatches x --dp "
                 f"({a.microbatches} x {a.dp})")
     if a.trace and a.lib != "zbpipe":
-        p.error("--trace needs --lib zbpipe")
+        raise CliError("--trace needs --lib zbpipe")
     if joined is not None:
         if joined.world_size != a.pp * a.dp:
-            p.error(f"torchrun's world has WORLD_SIZE={joined.world_size} ranks, but --pp {a.pp} x --dp {a.dp} "
+            raise CliError(f"torchrun's world has WORLD_SIZE={joined.world_size} ranks, but --pp {a.pp} x --dp {a.dp} "
                     f"= {a.pp * a.dp}: start pp x dp processes in all (--nnodes x --nproc-per-node)")
         try:
             torchrun.rank_device(joined, a.device)
         except ValueError as e:
-            p.error(str(e))
+            raise CliError(str(e))
     elif a.device == "cuda" and torch.cuda.device_count() < a.pp * a.dp:
-        p.error(f"--device cuda needs one GPU per rank: --pp {a.pp} x --dp {a.dp}, "
+        raise CliError(f"--device cuda needs one GPU per rank: --pp {a.pp} x --dp {a.dp}, "
                 f"found {torch.cuda.device_count()}")
     if a.layers is not None and a.layers < program.num_stages:
-        p.error(f"--layers ({a.layers}) must be >= the number of stages ({program.num_stages})")
+        raise CliError(f"--layers ({a.layers}) must be >= the number of stages ({program.num_stages})")
     if a.partition == "auto" and a.schedule == "auto":
-        p.error("--partition auto plans the split for one schedule: pick a --schedule")
+        raise CliError("--partition auto plans the split for one schedule: pick a --schedule")
     if a.partition == "auto" and a.stages_per_rank not in (None, program.num_stages // a.pp) \
             or a.partition == "auto" and program.num_stages // a.pp > 2:
-        p.error("--partition auto plans one or two stages per rank (the schedule's default --stages-per-rank)")
+        raise CliError("--partition auto plans one or two stages per rank (the schedule's default --stages-per-rank)")
     if a.vocab < 2:
-        p.error(f"--vocab ({a.vocab}) must be >= 2")
+        raise CliError(f"--vocab ({a.vocab}) must be >= 2")
     if a.vocab_parallel:
         if a.lib != "zbpipe" or a.schedule == "auto":
-            p.error("--vocab-parallel needs --lib zbpipe and a fixed --schedule")
+            raise CliError("--vocab-parallel needs --lib zbpipe and a fixed --schedule")
         if a.checkpoint or a.resume:
-            p.error("--vocab-parallel does not save or resume checkpoints yet")
+            raise CliError("--vocab-parallel does not save or resume checkpoints yet")
         if a.vocab < a.pp:
-            p.error(f"--vocab-parallel: the vocabulary ({a.vocab}) must have at least one row per rank (--pp {a.pp})")
+            raise CliError(f"--vocab-parallel: the vocabulary ({a.vocab}) must have at least one row per rank "
+                           f"(--pp {a.pp})")
     if a.max_norm is not None and not a.max_norm > 0:
-        p.error(f"--max-norm ({a.max_norm}) must be > 0")
+        raise CliError(f"--max-norm ({a.max_norm}) must be > 0")
     a.resume_from = None
     if a.resume:
         found = checkpoint.latest(a.checkpoint) if a.checkpoint else None
         if found is None:
-            p.error(f"--resume needs a step-N checkpoint in --checkpoint DIR ({a.checkpoint!r} has none)")
+            raise CliError(f"--resume needs a step-N checkpoint in --checkpoint DIR ({a.checkpoint!r} has none)")
         a.resume_from, done = found
         if done >= a.steps:
-            p.error(f"--resume: {a.resume_from} has done {done} steps, --steps is {a.steps}")
+            raise CliError(f"--resume: {a.resume_from} has done {done} steps, --steps is {a.steps}")
         saved = checkpoint.saved_parameters(a.resume_from)
         names = {n for n, _ in build_model(_config(vars(a), program.num_stages), a.seed).named_parameters()}
         if saved != names:
-            p.error(f"--resume: {a.resume_from} holds another model ({len(saved)} parameters, this one "
+            raise CliError(f"--resume: {a.resume_from} holds another model ({len(saved)} parameters, this one "
                     f"{len(names)}; first difference {sorted(saved ^ names)[0]!r}): pass the same --layers")
     return program
 
@@ -417,14 +413,14 @@ def _run_joined(env: torchrun.TorchrunEnv, a: argparse.Namespace, opts: dict[str
     return 0 if verdict[0] else 1
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = _parser()
-    a = p.parse_args(argv)
+def run_command(a: argparse.Namespace) -> int:
+    """`zbpipe train`: the run, then the check against one process (exit status 0 if they
+    match, 1 if not or the run failed, 130 on Ctrl-C); CliError for bad arguments."""
     try:
         joined = torchrun.torchrun_env()  # set: this process is one rank of torchrun's world
     except ValueError as e:
-        p.error(str(e))
-    program = _check_args(p, a, joined)
+        raise CliError(str(e)) from None
+    program = _check_args(a, joined)
     num_stages = program.num_stages
     opts = vars(a).copy()
     opts["log_every"] = a.log_every or max(1, a.steps // 10)
@@ -461,3 +457,18 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     pipe_wall = f"{time.perf_counter() - t0:.1f} s (incl. process start)"
     return 0 if _compare(a, opts, cfg, program, results, pipe_wall) else 1
+
+
+COMMAND = Subcommand(add_arguments, run_command, error_prog="zbpipe train", help="train a model (zbpipe.train)",
+                     description="Pipelined training of a tiny transformer, checked against the same model "
+                                 "trained in one process (same seed, data and optimizer).",
+                     formatter_class=_DefaultsHelp)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m zbpipe.train ...`, `zbpipe.train.main([...])`: `zbpipe train ...`. A bad
+    argument exits with status 2 (SystemExit), as argparse does, after its one-line error."""
+    code = cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+    if code == USAGE_ERROR:
+        raise SystemExit(code)
+    return code

@@ -48,7 +48,9 @@ std::vector<CommBatch> comm_batches(const std::vector<Action>& acts, bool split_
 // atomically on a stream of its own rank (groups in program order, each after the compute
 // before it), a send completes only once its receive's group is running, and a compute waits
 // for the whole group holding its receive. Throws ScheduleError (grid marked) on a deadlock
-// that validate()'s buffered-send run cannot see, for both settings of split_overlap.
+// that validate()'s buffered-send run cannot see, for both settings of split_overlap. The
+// vocabulary collectives run on a communicator of their own and the head's actions on a lane of
+// their own, as the executor runs them (validate_rendezvous.cpp, vocab_run.h).
 void validate_rendezvous(const Program& p);
 
 }  // namespace zbpipe

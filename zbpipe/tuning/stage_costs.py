@@ -1,5 +1,5 @@
 """Per-stage costs read from a step's trace: the F, I, W (and B) host times of every compute
-action, and the memory counters a probing step adds (zbpipe/memory_probe.py), in the form
+action, and the memory counters a probing step adds (zbpipe/tuning/memory_probe.py), in the form
 zbpipe.simulate / zbpipe.compile take them.
 
     costs = zbpipe.profile_from_trace(["rank0.json", "rank1.json"])   # Chrome traces
@@ -14,7 +14,9 @@ import re
 import statistics
 from typing import Iterable
 
-_COMPUTE = re.compile(r"^(\d+)([FBIW])(\d+)$")
+# One compute action's name, "<stage><F|B|I|W><microbatch>" (not an OVERLAP_F_B pair).
+COMPUTE_ACTION = re.compile(r"^(\d+)([FBIW])(\d+)$")
+_COMPUTE = COMPUTE_ACTION  # the old private name, kept for callers outside the package
 _MEMORY = re.compile(r"^stage (\d+) saved bytes$")
 
 
@@ -45,7 +47,7 @@ def _records_of(source) -> list[dict]:
     return out
 
 
-def _took_s(r: dict, clock: str) -> float:
+def action_seconds(r: dict, clock: str = "auto") -> float:
     """One compute record's time: its device time where the record has one and the clock allows,
     else its host time less its receive wait."""
     if clock != "host" and r.get("device_start_us", -1.0) >= 0:
@@ -54,6 +56,29 @@ def _took_s(r: dict, clock: str) -> float:
         raise ValueError(f"profile_from_trace(clock='device'): {r['action']} has no device time "
                          "(run the schedule with device_timing=True on an accelerator)")
     return (r["host_end_ns"] - r["host_start_ns"] - r.get("wait_ns", 0)) / 1e9
+
+
+_took_s = action_seconds  # the old private name, kept for callers outside the package
+
+
+def action_times(records: Iterable[dict], clock: str = "auto") -> dict[int, dict[str, list[float]]]:
+    """{stage: {"f", "i", "w", "b": [seconds of each such compute action]}} of sched.trace()
+    records (action_seconds; negative times, a clock's rounding, count as 0)."""
+    times: dict[int, dict[str, list[float]]] = {}
+    for r in records:
+        m = COMPUTE_ACTION.match(r.get("action", ""))
+        if m:
+            times.setdefault(int(m.group(1)), {}).setdefault(m.group(2).lower(), []).append(
+                max(action_seconds(r, clock), 0.0))
+    return times
+
+
+def median_costs(times: dict[int, dict[str, list[float]]]) -> dict[int, dict[str, float | None]]:
+    """{stage: {"f", "i", "w", "b": the median of its samples, None where it has none}}: the
+    one rule by which every measurement of zbpipe turns action samples into a cost
+    (zbpipe/tuning/measurements.py says why the median)."""
+    return {s: {k: (statistics.median(kinds[k]) if kinds.get(k) else None) for k in "fiwb"}
+            for s, kinds in sorted(times.items())}
 
 
 def profile_from_trace(records_or_paths, clock: str = "auto") -> dict[int, dict[str, float]]:
@@ -72,26 +97,20 @@ def profile_from_trace(records_or_paths, clock: str = "auto") -> dict[int, dict[
     sources: Iterable = records_or_paths
     if records_or_paths and isinstance(records_or_paths[0], dict):
         sources = [records_or_paths]
-    times: dict[int, dict[str, list[float]]] = {}
+    records: list[dict] = []
     memory: dict[int, dict[str, int]] = {}
     for source in sources:
         for r in _records_of(source):
-            if "memory" in r:
-                m = _MEMORY.match(r["memory"])
-                if m:
-                    memory[int(m.group(1))] = {k: int(v) for k, v in r["args"].items()}
-                continue
-            m = _COMPUTE.match(r["action"])
+            m = _MEMORY.match(r["memory"]) if "memory" in r else None
             if m:
-                took = _took_s(r, clock)
-                times.setdefault(int(m.group(1)), {}).setdefault(m.group(2).lower(), []).append(max(took, 0.0))
-    if not times:
+                memory[int(m.group(1))] = {k: int(v) for k, v in r["args"].items()}
+            elif "memory" not in r:
+                records.append(r)
+    out = median_costs(action_times(records, clock))
+    if not out:
         raise ValueError("profile_from_trace: no compute action (F, B, I, W) in the trace")
-    out: dict[int, dict[str, float]] = {}
-    for stage in sorted(times):
-        kinds = times[stage]
-        out[stage] = {k: (statistics.median(kinds[k]) if k in kinds else None) for k in "fiwb"}
-        out[stage].update(memory.get(stage, {}))
+    for stage, cost in out.items():
+        cost.update(memory.get(stage, {}))
     return out
 
 

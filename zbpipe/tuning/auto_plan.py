@@ -1,4 +1,4 @@
-"""ScheduleAuto's planning, pure: from the pipeline's merged measurements (zbpipe/measurements.py)
+"""ScheduleAuto's planning, pure: from the pipeline's merged measurements (zbpipe/tuning/measurements.py)
 every candidate is built (the cost-driven ones under the budget in bytes) and simulated, and
 the choice is the fitting one of least predicted step; the near candidates a trial runs and the
 trial's verdict are taken here too. The same inputs give the same Tuning on every rank; a Tuning
@@ -14,10 +14,10 @@ import dataclasses
 import statistics
 from typing import Sequence
 
-from . import _C
+from .. import _C
 from .measurements import Measured
-from .programs import compile as _compile
-from .programs import simulate
+from ..programs import compile as _compile
+from ..programs import simulate
 from .stage_costs import compile_costs
 
 # Candidates that plan with the measurements (and the budget): built afresh at every tuning.

@@ -4,9 +4,9 @@ interleaved_zb): the first measures mem_f/mem_w per local stage (its memory prob
 the F/I/W times (their traces: device events on accelerators, host times on the CPU), every
 second of them running the placement's fused-B schedule instead where it has one at no more
 memory (1f1b for one stage per rank) to time B; then the one-way time of a boundary-sized
-message (zbpipe/measurements.py). The ranks gather and merge the measurements over the pipeline
+message (zbpipe/tuning/measurements.py). The ranks gather and merge the measurements over the pipeline
 group, so every rank plans every candidate of the placement from identical inputs
-(zbpipe/auto_plan.py) and picks the same one: the least simulated makespan among those whose
+(zbpipe/tuning/auto_plan.py) and picks the same one: the least simulated makespan among those whose
 simulated peak memory fits the budget (with trial_steps, the fastest in real steps of those
 predicted near the least). It runs from the step after. `sched.tuning` says what happened.
 
@@ -21,12 +21,12 @@ import statistics
 import time
 from typing import Any, Callable
 
-from . import _C, _tree
+from .. import _C, _tree
 from .auto_plan import COST_DRIVEN, Candidate, Tuning, plan  # noqa: F401  (Candidate, Tuning: importable here)
-from .measurements import RankMeasurements, boundary_bytes, gather, merge, ring_hop_s
-from .programs import compile as _compile
-from .schedules import PipelineSchedule, OneRunning, rank_stages
-from .stage_costs import profile_from_trace
+from .measurements import (RankMeasurements, StageTiming, boundary_bytes, gather, merge, one_way_latency_s,
+                           probe_memory)
+from ..programs import compile as _compile
+from ..schedules import PipelineSchedule, OneRunning, rank_stages
 
 # placement -> (safe default, candidates). Cost-driven candidates plan with the measurements.
 FAMILIES = {
@@ -130,25 +130,11 @@ class _Refused:
 
 @dataclasses.dataclass(frozen=True)
 class _Timing:
-    """Between a tuning's memory step and its last timing step."""
-    measuring: PipelineSchedule         # the split schedule that measured memory (and times)
-    fused: PipelineSchedule | None      # what every second timing step runs instead (FUSED)
-    deltas: dict                        # its memory profile of the memory step
+    """Between a tuning's memory step and its last timing step: the measuring recipe's state
+    (zbpipe.measurements.StageTiming) and what a shape check needs."""
+    stages: StageTiming                 # its split schedule measured memory; the times so far
     shapes: list                        # the memory step's shapes (_shapes): every step must bring them
     first: int                          # the memory step's number
-    records: tuple = ()                 # the timing steps' traces, pooled
-    walls: tuple[float, ...] = ()       # each timing step's wall time
-    ran: tuple = ()                     # the program each timing step ran
-
-    def next_schedule(self) -> PipelineSchedule:
-        """The next timing step's: the split schedule first, then every second step the fused
-        one (where there is one)."""
-        odd = len(self.walls) % 2 == 1
-        return self.fused if odd and self.fused is not None else self.measuring
-
-    def after_step(self, wall: float, trace: list, program: _C.Program) -> _Timing:
-        return dataclasses.replace(self, records=self.records + tuple(trace), walls=self.walls + (wall,),
-                                   ran=self.ran + (program,))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -315,13 +301,8 @@ class ScheduleAuto:
         safe = self._placement.compile(self._placement.safe, self._options.n_microbatches)
         measuring = self._current if self._splits(self._current.program) else self._schedule_for(safe)
         shapes = _shapes(args, kwargs)
-        measuring.measure_memory = True
-        try:
-            out, _ = self._run(measuring, args, kwargs)
-        finally:
-            measuring.measure_memory = False
-        self._phase = _Timing(measuring, self._fused_for(measuring), measuring.memory_profile(), shapes,
-                              first=self._steps)
+        out, deltas = probe_memory(measuring, lambda sched: self._run(sched, args, kwargs)[0])
+        self._phase = _Timing(StageTiming(measuring, self._fused_for(measuring), deltas), shapes, first=self._steps)
         self._current = measuring  # the next step's (program and choice report it)
         return out
 
@@ -329,10 +310,10 @@ class ScheduleAuto:
         self._check_shapes(timing.shapes, timing.first, args, kwargs)
         runs = self._current
         out, wall = self._run(runs, args, kwargs)
-        timing = timing.after_step(wall, runs.trace(), runs.program)
+        timing = dataclasses.replace(timing, stages=timing.stages.after_step(wall, runs.trace(), runs.program))
         self._phase = timing
-        if len(timing.walls) < self._options.timing_steps:
-            self._current = timing.next_schedule()
+        if len(timing.stages.walls) < self._options.timing_steps:
+            self._current = timing.stages.next_schedule()
         else:  # the last: the schedule that ran it stays current (a choice of its program keeps it)
             self._phase = _Settled()
             self._tune(timing)
@@ -399,20 +380,20 @@ class ScheduleAuto:
 
     # ---- measure, gather, plan, switch ------------------------------------------------------
 
-    def _measurements(self, timing: _Timing) -> RankMeasurements:
+    def _measurements(self, timing: StageTiming) -> RankMeasurements:
         """This rank's record of the tuning, its P2P hop measured now (every rank takes part)."""
         p = self._placement
-        nbytes = max(gather(boundary_bytes(timing.measuring, p.stages), p.group))
-        comm_s = ring_hop_s(nbytes, p.stages[0].device, p.group)
+        nbytes = max(gather(boundary_bytes(timing.split, p.stages), p.group))
+        comm_s = one_way_latency_s(nbytes, p.stages[0].device, p.group)
         return RankMeasurements(rank=p.rank, num_stages=p.num_stages, microbatches=self._options.n_microbatches,
-                                costs=profile_from_trace(list(timing.records), clock=self._options.clock),
-                                deltas=timing.deltas, comm_s=comm_s, walls=list(timing.walls))
+                                costs=timing.costs(self._options.clock), deltas=timing.deltas, comm_s=comm_s,
+                                walls=list(timing.walls))
 
     def _tune(self, timing: _Timing) -> None:
         p, o = self._placement, self._options
-        measured = merge(gather(self._measurements(timing), p.group), p.num_stages, o.n_microbatches, p.rank)
+        measured = merge(gather(self._measurements(timing.stages), p.group), p.num_stages, o.n_microbatches, p.rank)
         t = plan(measured, p.candidates, o.activation_budget, safe=p.compile(p.safe, o.n_microbatches),
-                 ran=list(timing.ran), step=self._steps, clock=o.clock, trial_steps=o.trial_steps,
+                 ran=list(timing.stages.ran), step=self._steps, clock=o.clock, trial_steps=o.trial_steps,
                  trial_margin=o.trial_margin)
         self.history.append(t)
         if not t.trial:
