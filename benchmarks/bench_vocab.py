@@ -43,6 +43,10 @@ emulated  pp=4 and pp=8 Gloo ranks, EmulatedBlock units (zbpipe/bench/emulated.p
           their simulations use the hop and all-reduce latencies measured in the same world
           (medians of 30). Both run round-robin as above; printed with their simulations.
           Goal: realized and simulated order the two alike.
+memory    each of the three configurations of `real` (peer, vocab, vocab+embed) alone in fresh pp=2
+          processes (the splits planned once, in a world of their own): the peak resident set
+          per rank over --steps training steps with Adam, less the process's peak before the
+          model was built; largest over mean. Goal <= 1.15 at 128k.
 trainer   `zbpipe train --vocab 32000 --partition auto` with and without --vocab-parallel
           (--schedule zbv, pp=2): the trainer's own tokens/s. Goal: vocab-parallel within 5% of
           the plan without it (its step at most 1.05x).
@@ -261,6 +265,74 @@ def _real_rank_call(rank, size, vocab, schedule, steps):
     return _real_rank(rank, size, vocab, schedule, steps)
 
 
+# ---- memory, measured: each configuration alone in fresh processes ------------------------------
+
+def _plan_rank(rank, size, vocab, schedule):
+    """plan_partition's two splits (head split, head on one rank) as plain data."""
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(vocab, (MB * M, SEQ), generator=g) for _ in range(2))
+    torch.manual_seed(0)
+    plan = zbpipe.plan_partition(LlamaShaped(vocab, D, LAYERS, HEADS), (x[:MB],), pp=size, microbatches=M,
+                                 loss_fn=lm_loss, mb_target=y[:MB], schedules=[schedule], measure_steps=2,
+                                 vocab_parallel=True)
+    plain = lambda p: (p.schedule, p.num_stages, p.module_fqns_per_stage, p.compile_options())  # noqa: E731
+    return plain(plan), plain(plan.head_on_one_rank)
+
+
+def _memory_rank(rank, size, vocab, config, split, peer, steps):
+    """One configuration alone: its peak resident set over `steps` training steps with Adam (the
+    parameters, their gradients and Adam's two states, and the step's activations), less the
+    process's peak before the model was built."""
+    import resource
+
+    os.sched_setaffinity(0, {rank % os.cpu_count()})
+    g = torch.Generator().manual_seed(1)
+    x, y = (torch.randint(vocab, (MB * M, SEQ), generator=g) for _ in range(2))
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0
+    torch.manual_seed(0)
+    model = LlamaShaped(vocab, D, LAYERS, HEADS)
+    schedule, num_stages, fqns, options = peer if config == "peer" else split
+    extra, kwargs = [], {}
+    if config != "peer":
+        kwargs["output"] = zbpipe.VocabParallelOutput(model.output)
+        model.output = None
+        extra += list(kwargs["output"].parameters())
+    if config == "vocab+embed":
+        kwargs["input_embedding"] = zbpipe.VocabParallelEmbedding(model.tok_embeddings)
+        model.tok_embeddings = None
+        fqns = [[n for n in names if n != "tok_embeddings"] for names in fqns]
+        extra += list(kwargs["input_embedding"].parameters())
+        options = dict(options, vocab_embedding=True)
+    program = zbpipe.compile(schedule, size, M, num_stages // size, **options)
+    stages, mine = _stages(zbpipe.split_by_fqn(model, fqns), program, rank)
+    sched = zbpipe.PipelineSchedule.from_program(stages, program, None if kwargs else lm_loss, **kwargs)
+    params = [p for st in stages for p in st.submod.parameters()] + extra
+    del model
+    opt = torch.optim.Adam(params)
+    first = 0 in mine or config == "vocab+embed"
+    target = y if (config != "peer" or program.num_stages - 1 in mine) else None
+    for _ in range(steps):
+        opt.zero_grad(set_to_none=False)
+        sched.step(*((x,) if first else ()), target=target)
+        opt.step()
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024.0 - before
+
+
+def memory(vocabs, schedule, steps):
+    print(f"memory, measured: pp=2, Llama-shaped d={D}, {LAYERS} layers; each configuration alone in fresh "
+          f"processes, {steps} training steps with Adam; peak resident set per rank less the process's before the "
+          f"model (parameters, gradients, Adam's states, activations, allocator slack)")
+    for vocab in vocabs:
+        split, peer = run_local(_plan_rank, 2, (vocab, schedule), timeout_s=3600)[0]
+        row = {}
+        for config in ("peer", "vocab", "vocab+embed"):
+            row[config] = run_local(_memory_rank, 2, (vocab, config, split, peer, steps), timeout_s=3600)
+        line = ", ".join(f"{c} {[round(b / MIB) for b in v]} MiB (largest / mean {max(v) / (sum(v) / len(v)):.2f})"
+                         for c, v in row.items())
+        print(f"vocab {vocab}: {line}; goal at 128k <= 1.15")
+
+
 # ---- emulated ----------------------------------------------------------------------------------
 
 WIDTH = 8
@@ -417,7 +489,7 @@ def trainer(steps: int):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=("all", "placement", "real", "emulated", "trainer"), default="all")
+    p.add_argument("--part", choices=("all", "placement", "real", "memory", "emulated", "trainer"), default="all")
     p.add_argument("--vocab", type=int, nargs="+", default=[131072, 32768])
     p.add_argument("--pp", type=int, nargs="+", default=[4, 8])
     p.add_argument("--schedule", default="zbv")
@@ -431,6 +503,8 @@ def main() -> None:
         placement()
     if a.part in ("all", "real"):
         real(a.vocab, a.schedule, a.steps)
+    if a.part in ("all", "memory"):
+        memory(a.vocab, a.schedule, a.steps)
     if a.part in ("all", "emulated"):
         emulated(a.pp, a.schedule, a.layer_ms, a.steps)
     if a.part in ("all", "trainer"):
