@@ -5,6 +5,7 @@
 
 #include <memory>
 #include <type_traits>
+#include <utility>
 
 #include <torch/csrc/autograd/edge.h>
 #include <torch/csrc/autograd/function.h>
@@ -20,6 +21,15 @@ Ref node_ref(N* node) {
     return node->getptr();
   else
     return Ref::reclaim_copy(node);
+}
+
+// A new node of type T, owned the way the installed torch owns nodes.
+template <class T, class Ref = NodeRef, class... Args>
+Ref make_node(Args&&... args) {
+  if constexpr (std::is_same_v<Ref, std::shared_ptr<torch::autograd::Node>>)
+    return std::make_shared<T>(std::forward<Args>(args)...);
+  else
+    return c10::make_intrusive<T>(std::forward<Args>(args)...);
 }
 
 }  // namespace zbpipe::runtime

@@ -17,6 +17,7 @@
 
 #include "runtime/checkpoint_once.h"
 #include "runtime/joint_backward.h"
+#include "runtime/node_ref.h"
 #include "zbpipe/error.h"
 
 namespace zbpipe::runtime {
@@ -437,7 +438,7 @@ class JointSinks {
       auto& edges = order[plan.joint[k]]->next_edges();
       for (uint32_t e : plan.joint_sends[k]) {
         saved_.push_back(edges[e]);
-        c10::intrusive_ptr<Node> sink = c10::make_intrusive<WeightSideSink>(*edges[e].function, edges[e].input_nr);
+        NodeRef sink = make_node<WeightSideSink>(*edges[e].function, edges[e].input_nr);
         edges[e] = Edge(sink, 0);
         outputs.emplace_back(std::move(sink), 0);
       }
