@@ -22,7 +22,15 @@
 # benchmarks/gpu_checks.py (each runs on the CPU too: tests/tools/test_gpu_quick.py).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+export PYTHONUNBUFFERED=1
+# This tree's zbpipe once it is built in place (step 1, or a development tree's build), else the
+# installed one: an unbuilt tree first on the path would hide an installed wheel (CI's form).
+tree_first() {
+  if compgen -G "zbpipe/_C*.so" >/dev/null && [[ ":${PYTHONPATH:-}:" != *":$PWD:"* ]]; then
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  fi
+}
+tree_first
 out="${OUT:-/tmp/gpu_quick}"
 summary="${SUMMARY:-benchmarks/gpu_quick_summary.md}"
 dry="${GPU_QUICK_DRY:-0}"
@@ -92,6 +100,7 @@ step 1 "build against the installed torch" 160 bash -c '
   cmake -S . -B build/gpu -G Ninja -DCMAKE_BUILD_TYPE=Release -DPython_EXECUTABLE='"$py"' >/dev/null &&
     cmake --build build/gpu -j"$(nproc)" || exit 1
   echo "PASS built in $((SECONDS - t0)) s"'
+tree_first
 
 step 2 "one-GPU tests" 100 "$py" -m pytest -p no:cacheprovider -q -rfE "${ONE_GPU_TESTS[@]}" -k "not nccl"
 fails="$(grep -E '^(FAILED|ERROR) ' "$out/step2.log" 2>/dev/null | awk '{print $2}' | sort -u | tr '\n' ' ')"

@@ -107,6 +107,15 @@ FailureWatch::FailureWatch(std::vector<FailureChannel> channels, int rank, std::
 }
 
 FailureWatch::~FailureWatch() {
+  // Alive, without this watch: parked (unless a later watch of this rank took the key over),
+  // before the readers stop. A peer asks only a watching rank, so no ping goes unanswered
+  // while this watch winds down: with the readers stopped first, a loaded host's slow join
+  // let two pings go unanswered, and the asker named a live rank dead.
+  const FailureChannel& pipe = channels_[0];
+  try {
+    pipe.store->compareSet(liveness_key(pipe.group_rank), bytes(detail::str("watching ", pipe.id)), bytes("parked"));
+  } catch (const std::exception&) {
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
@@ -114,12 +123,6 @@ FailureWatch::~FailureWatch() {
   for (size_t i = 0; i < readers_.size(); ++i) readers_[i]->stop(*channels_[i].store, kStop);
   for (auto& t : threads_)
     if (t.joinable()) t.join();
-  // Alive, without this watch: parked, unless a later watch of this rank took the key over.
-  const FailureChannel& pipe = channels_[0];
-  try {
-    pipe.store->compareSet(liveness_key(pipe.group_rank), bytes(detail::str("watching ", pipe.id)), bytes("parked"));
-  } catch (const std::exception&) {
-  }
 }
 
 void FailureWatch::arm() {

@@ -92,8 +92,12 @@ void StepFailures::check_stop() const {
 }
 
 void StepFailures::check_before_success() const {
-  if (watch_) watch_->look_now();
-  check_stop();
+  if (interrupted_.load()) throw Cancelled();
+  if (!watch_) return;
+  watch_->look_now();
+  // A peer's failure in a later step (it ran ahead into its next step; every action of this
+  // one is done here): this step succeeded, and the next one fails at its start.
+  if (auto f = watch_->seen(); f && f->step <= steps_) throw CommAborted("waiting was aborted (a peer failed)");
 }
 
 // ---- failing ------------------------------------------------------------------------------

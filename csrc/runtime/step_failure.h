@@ -77,7 +77,8 @@ class StepFailures {
   // Throws (to end a wait) when a peer's failure was seen or this rank was interrupted.
   void check_stop() const;
   // At a step's end, before it reports success: on a polled store, one look at the failure
-  // keys (FailureWatch::look_now), then check_stop.
+  // keys (FailureWatch::look_now); then throws as check_stop does for a peer's failure in this
+  // step or an earlier one (one in a later step leaves this completed step a success).
   void check_before_success() const;
 
   // ---- failing -------------------------------------------------------------------------
