@@ -111,6 +111,9 @@ void Executor::abandon_in_flight() {
     }
   }
   overlap_.index = -1;
+  // The vocabulary head's lane (a thread on hosts without streams) waits on its collectives'
+  // P2P: it ends (its waits were aborted) before that P2P's batches are abandoned.
+  if (vocab_) vocab_->end();
   comms_->abandon();
   links_->abandon_all();
   clear_slots();
