@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "forward_only.h"
 #include "vocab_rules.h"
 #include "zbpipe/compile.h"
 #include "zbpipe/error.h"
@@ -21,14 +22,6 @@ namespace {
 
 // How many stage-0 forwards ahead of its need a reduction is posted: it then overlaps them.
 constexpr int kReduceAhead = 2;
-
-bool is_forward_only(const Program& p) {
-  for (const auto& acts : p.ranks)
-    for (const Action& a : acts)
-      for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
-        if (s->kind == Kind::B || s->kind == Kind::I || s->kind == Kind::W) return false;
-  return true;
-}
 
 // A collective of the one order every rank posts, with the time it is due: for the head's, its
 // last post in the base program's run; REDUCE_E m: the root's start of F of stage 0 for
@@ -195,7 +188,7 @@ Program insert_embedding(const Program& lowered, const CostModel& costs, const V
   ZB_SCHEDULE_CHECK(lowered.num_stages >= lowered.pp, "the vocabulary-parallel embedding needs a stage on every "
                     "rank ('", lowered.schedule, "': pp=", lowered.pp, ", stages=", lowered.num_stages, ")");
   vocab.check(lowered.pp);
-  const bool training = !is_forward_only(lowered);
+  const bool training = !detail::is_forward_only(lowered);
   const SimResult base = simulate(lowered, costs, memory, vocab, /*with_timeline=*/true);
   const std::vector<Due> order = collective_order(lowered, base, training);
   const std::vector<std::vector<double>> times = action_times(lowered, base);

@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "forward_only.h"
 #include "action_table.h"
 #include "zbpipe/cancel.h"
 #include "zbpipe/dependencies.h"
@@ -41,14 +42,6 @@ namespace {
 
 constexpr double kUnset = -1.0;
 
-bool is_forward_only(const Program& p) {
-  for (const auto& acts : p.ranks)
-    for (const Action& a : acts)
-      for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
-        if (s->kind == Kind::B || s->kind == Kind::I || s->kind == Kind::W) return false;
-  return true;
-}
-
 class VocabPlacement {
  public:
   // `lookahead`: the forwards a rank may run ahead of its own order while it would otherwise
@@ -57,7 +50,7 @@ class VocabPlacement {
                  const VocabPolicy& policy)
       : in_(in), vocab_(vocab), lookahead_(lookahead), priority_(policy.priority), table_(in.num_stages, costs, {}),
         comm_(costs.comm),
-        training_(!is_forward_only(in)), root_(vocab_root(in)), last_(in.num_stages - 1),
+        training_(!detail::is_forward_only(in)), root_(vocab_root(in)), last_(in.num_stages - 1),
         per_mb_(training_ ? 3 : 2), end_(in.num_stages, in.microbatches, kUnset),
         sent_(in.num_stages, in.microbatches, kUnset), next_(in.pp, 0), clock_(in.pp, 0.0),
         next_s_(in.pp, 0), next_t_(in.pp, 0), turn_(in.pp, 0),

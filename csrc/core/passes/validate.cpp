@@ -6,6 +6,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "forward_only.h"
 #include "action_table.h"
 #include "vocab_rules.h"
 #include "zbpipe/cancel.h"
@@ -70,15 +71,6 @@ std::string producer_name(const Producer& d) {
 
 // Position (1-based, 0 = absent) of each compute / comm action on its rank.
 using Positions = ActionTable<int32_t>;
-
-// A program with no backward action at all is an inference program: F once per (stage, mb).
-bool is_forward_only(const Program& p) {
-  for (const auto& acts : p.ranks)
-    for (const Action& a : acts)
-      for (const Action* s = detail::parts_begin(a); s != detail::parts_end(a); ++s)
-        if (s->kind == Kind::B || s->kind == Kind::I || s->kind == Kind::W) return false;
-  return true;
-}
 
 // 1a. Placement and ranges: every action of rank r is in range, of a stage on r, a comm action
 // has a cross-rank peer, and none appears twice. Returns the positions of all of them.
@@ -293,7 +285,7 @@ void check_blocking_run(const Program& p) {
 // The checks in their numbered order: the first violation found is the one reported.
 void validate(const Program& p) {
   check_shape(p);
-  const bool forward_only = is_forward_only(p);
+  const bool forward_only = detail::is_forward_only(p);
   const Positions pos = place_actions(p);          // 1.
   check_exactly_once(p, pos, forward_only);        // 1.
   check_local_order(p, pos, forward_only);         // 2.
