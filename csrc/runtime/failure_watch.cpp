@@ -101,6 +101,7 @@ FailureWatch::FailureWatch(std::vector<FailureChannel> channels, int rank, std::
     c.waits = store_waits(*c.store);
     readers_.push_back(std::make_unique<InboxReader>(c.store, c.waits, inbox_key(c.id, c.group_rank)));
   }
+  senders_.resize(channels_.size());
   const FailureChannel& pipe = channels_[0];
   pipe.store->set(liveness_key(pipe.group_rank), bytes(detail::str("watching ", pipe.id)));
   for (size_t i = 0; i < channels_.size(); ++i) threads_.emplace_back([this, i] { loop(i); });
@@ -202,7 +203,8 @@ void FailureWatch::handle(size_t i, const std::string& message) {
   }
   if (subject.rfind("ping ", 0) == 0) {  // body: the asker's inbox
     try {
-      push_message(*channels_[i].store, channels_[i].waits, body, detail::str("pong ", channels_[i].group_rank));
+      const FailureChannel c = watcher_channel(i);
+      push_message(*c.store, c.waits, body, detail::str("pong ", c.group_rank));
     } catch (const std::exception&) {
     }
     return;
@@ -245,8 +247,22 @@ void FailureWatch::take_failure(const std::string& encoded, size_t from) {
   if (!first) return;
   cv_.notify_all();
   for (size_t i = 0; i < channels_.size(); ++i)  // the other groups of this rank learn it too
-    if (i != from) publish_failure(channels_[i], *f);
+    if (i != from) publish_failure(watcher_channel(i), *f);
   if (on_peer_failure_) on_peer_failure_();
+}
+
+FailureChannel FailureWatch::watcher_channel(size_t i) {
+  FailureChannel c = channels_[i];
+  std::lock_guard<std::mutex> lock(senders_mu_);
+  if (!senders_[i]) {
+    try {
+      senders_[i] = c.store->clone();
+    } catch (const std::exception&) {
+      senders_[i] = c.store;  // no clone (a custom store): the group's connection
+    }
+  }
+  c.store = senders_[i];
+  return c;
 }
 
 void FailureWatch::look_now() {

@@ -146,6 +146,12 @@ class FailureWatch {
   // A failure that arrived on channel `from`: kept in seen_, forwarded to the other channels.
   void take_failure(const std::string& encoded, size_t from);
   void bump();  // generation_ + 1, waiters notified
+  // Channel `i` as the watcher threads write to it: through a connection of their own, made at
+  // their first write (a TCPStore serves one request at a time per connection, a blocking wait
+  // included, so the group's connection may be held for seconds by this rank's main thread --
+  // in dist.new_group's rendezvous or a user's store.wait -- and a pong or a forwarded failure
+  // must not wait behind it). Where the store does not clone to a new connection, the group's.
+  FailureChannel watcher_channel(size_t i);
 
   std::vector<FailureChannel> channels_;
   std::vector<std::unique_ptr<InboxReader>> readers_;  // per channel: this rank's inbox
@@ -161,6 +167,8 @@ class FailureWatch {
   std::map<int, Clock::time_point> pongs_;  // pipeline group rank -> last pong
   uint64_t generation_ = 0;
   std::vector<std::thread> threads_;
+  std::mutex senders_mu_;
+  std::vector<c10::intrusive_ptr<c10d::Store>> senders_;  // per channel: watcher_channel's
 };
 
 // Publishes `f` on channel `c` unless a failure is there already, pushing it into every other
