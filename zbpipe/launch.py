@@ -6,12 +6,13 @@ benchmarks and the tests, in bounded time and never leaving a process behind.
         more = world.run(other)                  # same processes, same group
     run_local(fn, 2, (x,))                       # one run in a world of its own
 
-Rendezvous is a FileStore in a fresh temporary directory, so concurrent worlds on one machine
-cannot collide on a port. Gloo runs on the loopback interface (127.0.0.1), with `gloo_devices`
-devices on it (GLOO_SOCKET_IFNAME=lo,lo for 2: zbpipe routes the two directions of a rank pair
-through different ones); `device="cuda"` selects NCCL (Gloo for CPU tensors) with rank r on
-cuda:(r % device_count),
-and `rank_device()` is a rank's torch device.
+Rendezvous is a TCPStore the parent hosts on 127.0.0.1 for the world's life, on a port the
+system picks, so concurrent worlds on one machine cannot collide on a port, and zbpipe's control
+plane gets the store it is built for (failures pushed by the server; a FileStore is polled).
+Gloo runs on the loopback interface (127.0.0.1), with `gloo_devices` devices on it
+(GLOO_SOCKET_IFNAME=lo,lo for 2: zbpipe routes the two directions of a rank pair through
+different ones); `device="cuda"` selects NCCL (Gloo for CPU tensors) with rank r on
+cuda:(r % device_count), and `rank_device()` is a rank's torch device.
 
 A world stays up between runs while every rank returns. When any rank raises or dies, or the
 run passes its deadline, every process of the world ends (a failed rank can leave its peers
@@ -28,7 +29,6 @@ import pickle
 import queue
 import signal
 import sys
-import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -65,7 +65,7 @@ def _die_with_parent() -> None:
             pass
 
 
-def _init_rank(rank: int, size: int, store: str, device: str, pg_timeout_s: float, threads: int,
+def _init_rank(rank: int, size: int, port: int, device: str, pg_timeout_s: float, threads: int,
                gloo_devices: int | None) -> None:
     global _DEVICE
     _die_with_parent()
@@ -84,7 +84,7 @@ def _init_rank(rank: int, size: int, store: str, device: str, pg_timeout_s: floa
         backend, _DEVICE = "gloo", torch.device("cpu")
     dist.init_process_group(
         backend,
-        init_method=f"file://{store}",
+        store=dist.TCPStore("127.0.0.1", port, is_master=False, timeout=datetime.timedelta(seconds=pg_timeout_s)),
         rank=rank,
         world_size=size,
         timeout=datetime.timedelta(seconds=pg_timeout_s),
@@ -138,7 +138,7 @@ class LocalWorld:
         self._procs: list = []
         self._jobs: list = []
         self._results = None
-        self._tmp: tempfile.TemporaryDirectory | None = None
+        self._store: dist.TCPStore | None = None  # the world's rendezvous, hosted here
         self._job_id = 0
 
     def __enter__(self) -> "LocalWorld":
@@ -157,8 +157,9 @@ class LocalWorld:
         if device == "cuda" and not torch.cuda.is_available():
             raise RuntimeError("device='cuda' requested but torch.cuda.is_available() is False")
         ctx = mp.get_context("spawn")
-        self._tmp = tempfile.TemporaryDirectory(prefix="zbpipe_world_")
-        config = (os.path.join(self._tmp.name, "store"), *self._config)
+        self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False,
+                                    timeout=datetime.timedelta(seconds=self._config[1]))
+        config = (self._store.port, *self._config)
         self._results = ctx.Queue()
         self._jobs = [ctx.Queue() for _ in range(self.size)]
         self._procs = [ctx.Process(target=_rank_main, args=(r, self.size, config, self._jobs[r], self._results),
@@ -238,9 +239,7 @@ class LocalWorld:
         for q in [*self._jobs, *([self._results] if self._results is not None else [])]:
             q.cancel_join_thread()  # data a dead rank never read must not block this process
             q.close()
-        if self._tmp is not None:
-            self._tmp.cleanup()
-        self._procs, self._jobs, self._results, self._tmp = [], [], None, None
+        self._procs, self._jobs, self._results, self._store = [], [], None, None
 
 
 def _failure(failed: dict, done: dict) -> RankFailure:

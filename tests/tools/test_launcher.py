@@ -76,3 +76,15 @@ def test_a_world_keeps_its_ranks_across_runs_and_restarts_after_a_failure():
         again = world.run(_sums, timeout_s=60)
         assert [r[0] for r in again] == [6.0, 6.0, 6.0]
         assert not set(pids) & {r[1] for r in again}
+
+
+def _store_kind(rank, world):
+    from zbpipe import _C
+
+    return _C._store_polled(dist.group.WORLD)
+
+
+def test_the_world_rendezvous_on_a_tcp_store_the_control_plane_need_not_poll():
+    # A FileStore (the launcher's rendezvous before) has no blocking wait: zbpipe's control plane
+    # then polls it and every schedule of the world warns once.
+    assert run_local(_store_kind, 2, timeout_s=120) == [False, False]
