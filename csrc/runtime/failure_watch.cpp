@@ -329,14 +329,14 @@ std::optional<std::string> FailureWatch::take(size_t channel, const std::string&
   return std::nullopt;
 }
 
-bool FailureWatch::ping(int peer) {
+std::optional<std::string> FailureWatch::ping(int peer) {
   const FailureChannel& pipe = channels_[0];
   const auto state = peek(*pipe.store, liveness_key(peer));
-  if (!state || state->rfind("watching ", 0) != 0) return false;  // never watched, or parked
-  const std::string their_id = state->substr(9);
+  if (!state || state->rfind("watching ", 0) != 0) return std::nullopt;  // never watched, or parked
+  std::string their_id = state->substr(9);
   push_message(*pipe.store, pipe.waits, detail::str("zbpipe/x", their_id, "/inbox/rank", peer),
                detail::str("ping ", pipe.group_rank, "\n", inbox_key(pipe.id, pipe.group_rank)));
-  return true;
+  return their_id;
 }
 
 FailureWatch::Clock::time_point FailureWatch::last_pong(int peer) const {

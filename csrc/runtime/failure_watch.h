@@ -69,13 +69,16 @@ struct FailureChannel {
 // reads "watching <id>" (the last started watch of that rank on the group), and "parked" once
 // that watch is gone (the process is alive, maybe without executor). A rank waiting for a peer
 // (the program agreement) asks a silent peer every kPingEvery: a ping into the inbox of the
-// peer's watch, answered at once by a pong. A "watching" peer that answered none of two pings
-// for kDeadAfter has died (or its threads no longer run). Costs the asker two requests per
-// kPingEvery and the asked two per ping, only while someone waits; a peer that never held a
-// watch on the group, or is parked, cannot be asked.
+// peer's watch, answered at once by a pong. A peer has died (or its threads no longer run) when
+// it answered none of two pings in a row to the same watch, the last of them for kAnswerWithin.
+// A peer found parked, or watching through another watch than the one last asked, has moved
+// since: it lives, and the count starts again (a ping into a watch that was winding down may
+// never be read). Costs the asker two requests per kPingEvery and the asked two per ping, only
+// while someone waits; a peer that never held a watch on the group, or is parked, cannot be
+// asked.
 constexpr std::chrono::milliseconds kAskAfter{1000};  // a wait asks no one before this
 constexpr std::chrono::milliseconds kPingEvery{2000};
-constexpr std::chrono::milliseconds kDeadAfter{3000};  // from the first unanswered ping
+constexpr std::chrono::milliseconds kAnswerWithin{2000};  // the second unanswered ping's time
 // Polled stores (StoreWaits::Polled): how often a watcher looks at its inbox.
 constexpr std::chrono::milliseconds kPollInStep{50};
 constexpr std::chrono::milliseconds kPollBetweenSteps{500};
@@ -130,9 +133,10 @@ class FailureWatch {
   void wake();
 
   // ---- liveness (the pipeline channel) -----------------------------------------------------
-  // Asks group rank `peer` whether its process runs (see kPingEvery); false where it cannot be
-  // asked (it never watched the group, or is parked). Throws what the store throws.
-  bool ping(int peer);
+  // Asks group rank `peer` whether its process runs (see kPingEvery); returns the id of the
+  // peer's watch that was asked, nullopt where none can be (it never watched the group, or is
+  // parked). Throws what the store throws.
+  std::optional<std::string> ping(int peer);
   // When `peer` last answered a ping (Clock::time_point{} if never).
   Clock::time_point last_pong(int peer) const;
 

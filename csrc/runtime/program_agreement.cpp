@@ -36,10 +36,11 @@ void agree(FailureWatch& watch, int rank, int size, const std::string& fingerpri
   for (int r = 0; r < size; ++r)
     if (r != rank) watch.send(0, r, subject(rank), fingerprint);
   std::map<int, std::string> theirs;
-  struct Asked {
-    Clock::time_point first;  // the first ping since the peer last answered
+  struct Asked {  // the pings since the peer last answered or moved (failure_watch.h, liveness)
+    Clock::time_point first;
     Clock::time_point last;
     int pings = 0;
+    std::string watch;  // the id of the peer's watch they went to
   };
   std::map<int, Asked> asked;  // silent peers
   const auto start = Clock::now();
@@ -74,25 +75,32 @@ void agree(FailureWatch& watch, int rank, int size, const std::string& fingerpri
       if (now >= *failed_grace) throw CommAborted("comparing the ranks' programs was aborted (a peer failed)");
     }
     auto wake = std::min({deadline, next_ask, failed_grace.value_or(deadline)});
-    for (auto& [r, a] : asked) {  // a peer asked twice that never answered has died
-      if (theirs.count(r)) continue;
+    for (auto& [r, a] : asked) {  // a peer that answered neither of two pings in a row has died
+      if (theirs.count(r) || a.pings == 0) continue;
       if (watch.last_pong(r) >= a.last) {  // it answered: alive
         a = Asked{};
         continue;
       }
-      if (a.pings >= 2 && now - a.first >= kDeadAfter)
+      if (a.pings >= 2 && now - a.last >= kAnswerWithin)
         throw PipelineError(detail::str(
             "no program from rank ", r, ": its process stopped (it answered no liveness ping through the store for ",
-            kDeadAfter.count() / 1000.0, " s; it died or was killed) while the ranks compare programs before the "
-            "first step"));
-      wake = std::min(wake, a.first + kDeadAfter);
+            std::chrono::duration_cast<std::chrono::milliseconds>(now - a.first).count() / 1000.0,
+            " s; it died or was killed) while the ranks compare programs before the first step"));
+      if (a.pings >= 2) wake = std::min(wake, a.last + kAnswerWithin);
     }
     if (now >= next_ask) {  // ask the silent peers, only while this wait lasts
       for (int r = 0; r < size; ++r) {
-        if (r == rank || theirs.count(r) || !watch.ping(r)) continue;
+        if (r == rank || theirs.count(r)) continue;
+        auto asked_watch = watch.ping(r);
+        if (!asked_watch) {  // parked, or never watched: alive a moment ago, or not to be asked
+          asked.erase(r);
+          continue;
+        }
         Asked& a = asked[r];
+        if (a.pings > 0 && a.watch != *asked_watch) a = Asked{};  // a new watch since: it moved
         if (a.pings++ == 0) a.first = now;
         a.last = now;
+        a.watch = *asked_watch;
       }
       next_ask = now + kPingEvery;
       wake = std::min(wake, next_ask);

@@ -8,9 +8,16 @@ processes, Gloo over a FileStore (the store outlives the killed rank)."""
 from __future__ import annotations
 
 import json
+import threading
 import time
 
+import pytest
+import torch
+import torch.nn.functional as F
 from helpers.subprocess_env import rank_workers
+
+import zbpipe
+from zbpipe import _C
 
 BOUND_S = 30.0
 WORKER = r'''
@@ -55,3 +62,60 @@ def test_a_peer_killed_between_steps_ends_the_program_comparison(tmp_path):
     print(f"rank 0: {kind} after {seconds:.1f} s: {msg.splitlines()[0] if msg else ''}")
     assert kind == "PipelineError", (kind, msg)
     assert "no program from rank 1: its process stopped" in msg, msg
+
+
+def _fake_peer(store, events, stop):
+    """Group rank 1 of a loopback world, acting out a process between two executors: its watch
+    "77" never reads the first ping (it was winding down), it is parked for a while, then its
+    new watch "78" answers every ping; last, it sends a program of its own."""
+    store.set("zbpipe/alive/rank1", "watching 77")
+    events.set()  # rank 0 may start
+    deadline = time.monotonic() + 20
+    while store.queue_len("zbpipe/x77/inbox/rank1") == 0:  # the first ping, left unread
+        assert time.monotonic() < deadline and not stop.is_set(), "no ping came"
+        time.sleep(0.02)
+    store.set("zbpipe/alive/rank1", "parked")
+    time.sleep(2.5)  # past rank 0's next ask (every 2 s)
+    store.set("zbpipe/alive/rank1", "watching 78")
+    answered, until = 0, time.monotonic() + 4.5  # past two more asks
+    while time.monotonic() < until and not stop.is_set():
+        if store.queue_len("zbpipe/x78/inbox/rank1") > 0:
+            ping = store.queue_pop("zbpipe/x78/inbox/rank1", False).decode()
+            assert ping.startswith("ping 0\n"), ping
+            store.queue_push(ping.split("\n", 1)[1], "pong 1")
+            answered += 1
+        time.sleep(0.02)
+    executor = store.add("zbpipe/executors/rank0", 0)  # rank 0's executor, whose inbox this is
+    store.queue_push(f"zbpipe/x{executor}/inbox/rank0", "program 1\nschedule=a-program-of-its-own")
+    return answered
+
+
+def test_a_peer_between_executors_is_not_named_dead():
+    """A peer whose first ping went unread, that was then parked and then answered through a new
+    watch lives: before, the unread ping counted against the new watch, and a second ping was
+    named unanswered the moment it was sent ("no program from rank 1: its process stopped")."""
+    world = _C._LoopbackWorld(2, store=True)
+    store = world.group(1).get_group_store()
+    ready, stop, out = threading.Event(), threading.Event(), {}
+
+    def peer():
+        try:
+            out["answered"] = _fake_peer(store, ready, stop)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            out["peer"] = e
+
+    t = threading.Thread(target=peer, daemon=True)
+    t.start()
+    assert ready.wait(20)
+    stage = zbpipe.PipelineStage(torch.nn.Linear(4, 4), 0, 2, "cpu", group=world.group(0))
+    sched = zbpipe.Schedule1F1B(stage, 2, loss_fn=F.mse_loss, timeout=30)
+    try:
+        with pytest.raises(zbpipe.PipelineError) as info:
+            sched.step(torch.randn(4, 4))
+    finally:
+        stop.set()
+        t.join(30)
+    assert "peer" not in out, out
+    msg = str(info.value)
+    assert "the ranks run different programs" in msg and "a-program-of-its-own" in msg, msg
+    assert out["answered"] >= 1, out  # its new watch was asked, and answered
