@@ -9,10 +9,10 @@ here), counting ProcessGroup::abort calls per rank (csrc/runtime/loopback.h)."""
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 from helpers.loopback import run_threads
 from helpers.model_registry import Stops
+from helpers.sync_adapters import CollectiveSync
 
 import zbpipe
 import zbpipe.stage
@@ -52,27 +52,13 @@ def test_a_failing_rank_aborts_its_group_and_a_new_one_runs():
     assert [fresh.aborts(r) for r in range(PP)] == [0, 0]
 
 
-class _FailingSync:
-    """A data-parallel adapter (the DDP/FSDP2 adapters' interface, zbpipe/data_parallel.py)
-    whose gradient sync runs a collective on `group` and fails inside it when `fails`."""
+class _FailingSync(CollectiveSync):
+    """A data-parallel adapter whose gradient sync runs a collective on `group` and fails inside
+    it when `fails`."""
 
     def __init__(self, module, group, fails):
-        self.shape_module, self._group, self._fails = module, group, fails
-
-    def groups(self):
-        return [self._group]
-
-    def check(self, stage_index, split_backward):
-        pass
-
-    def step_begin(self, training):
-        pass
-
-    def step_end(self, failed):
-        pass
-
-    def sync_begin(self, roots):
-        pass
+        super().__init__(module, group)
+        self._fails = fails
 
     def sync_end(self):
         if self._fails:

@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from helpers.loopback import run_threads
+from helpers.sync_adapters import CollectiveSync
 
 import zbpipe
 import zbpipe.stage
@@ -69,27 +70,9 @@ def test_steady_steps_make_no_store_request(name):
     assert counts["after steady"] == counts["after setup"], (counts, world.store_requests())
 
 
-class _AllReduceSync:
-    """A data-parallel adapter (zbpipe/data_parallel.py's interface) whose gradient sync sums the
-    stage's gradients over `group` (a loopback all-reduce) and averages them."""
-
-    def __init__(self, module, group):
-        self.shape_module, self._group, self._module = module, group, module
-
-    def groups(self):
-        return [self._group]
-
-    def check(self, stage_index, split_backward):
-        pass
-
-    def step_begin(self, training):
-        pass
-
-    def step_end(self, failed):
-        pass
-
-    def sync_begin(self, roots):
-        pass
+class _AllReduceSync(CollectiveSync):
+    """A data-parallel adapter whose gradient sync sums the stage's gradients over `group` (a
+    loopback all-reduce) and averages them."""
 
     def sync_end(self):
         for p in self._module.parameters():

@@ -18,6 +18,7 @@ import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from helpers.grids import pp2_dp2_grid
 from helpers.schedule_registry import local_stages, training_names
 
 import zbpipe
@@ -168,26 +169,10 @@ def test_eval_and_steps_accumulate(spawn_world):
 
 # ---- DDP stages: pp 2 x dp 2 in the 4-rank world --------------------------------------------
 
-_GROUPS: dict = {}
-
-
-def _grid():
-    """(pp group, dp group, pp rank, dp rank) of this rank in a 2 x 2 grid (ranks 0,1 and 2,3
-    are the pipelines), made once per process: new_group is a call of every rank."""
-    if not _GROUPS:
-        import torch.distributed as dist
-
-        pp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
-        dp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
-        r = dist.get_rank()
-        _GROUPS["grid"] = (pp_groups[r // 2], dp_groups[r % 2], r % 2, r // 2)
-    return _GROUPS["grid"]
-
-
 def _ddp(rank, size, name):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    pp_group, dp_group, pp_rank, dp_rank = _grid()
+    pp_group, dp_group, pp_rank, dp_rank = pp2_dp2_grid()
     m = 4
     program = zbpipe.compile(name, 2, m)
     mods, head = _lm(program.num_stages)
