@@ -443,12 +443,7 @@ def _check_output(output, loss_fn, stages):
     if loss_fn is not None:
         raise ValueError("output= (a VocabParallelOutput, which computes the loss) and loss_fn= both define the "
                          "loss: give one")
-    group = stages[0].group
-    if output.group is not group and (output.group.size(), output.group.rank()) != (group.size(), group.rank()):
-        raise ValueError(f"the VocabParallelOutput is sharded over a group of {output.group.size()} ranks "
-                         f"(this rank {output.group.rank()}), the stages run on one of {group.size()} (this rank "
-                         f"{group.rank()}): build it with group= the pipeline's group")
-    return output
+    return _on_the_stages_group(output, stages)
 
 
 def _check_input_embedding(embedding, stages):
@@ -460,12 +455,18 @@ def _check_input_embedding(embedding, stages):
 
     if not isinstance(embedding, VocabParallelEmbedding):
         raise TypeError(f"input_embedding= takes a zbpipe.VocabParallelEmbedding, got {type(embedding).__name__}")
+    return _on_the_stages_group(embedding, stages)
+
+
+def _on_the_stages_group(shard, stages):
+    """`shard` (a VocabParallelOutput or VocabParallelEmbedding), checked to be sharded over the
+    stages' group: ValueError for a group of another size or rank."""
     group = stages[0].group
-    if embedding.group is not group and (embedding.group.size(), embedding.group.rank()) != (group.size(), group.rank()):
-        raise ValueError(f"the VocabParallelEmbedding is sharded over a group of {embedding.group.size()} ranks "
-                         f"(this rank {embedding.group.rank()}), the stages run on one of {group.size()} (this "
-                         f"rank {group.rank()}): build it with group= the pipeline's group")
-    return embedding
+    if shard.group is not group and (shard.group.size(), shard.group.rank()) != (group.size(), group.rank()):
+        raise ValueError(f"the {type(shard).__name__} is sharded over a group of {shard.group.size()} ranks "
+                         f"(this rank {shard.group.rank()}), the stages run on one of {group.size()} (this rank "
+                         f"{group.rank()}): build it with group= the pipeline's group")
+    return shard
 
 
 class PipelineScheduleSingle(PipelineSchedule):

@@ -13,6 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from .vocab_parallel import vocabulary_shard
+
 
 class VocabParallelEmbedding(nn.Module):
     """This rank's shard of an input embedding (an ``nn.Embedding``).
@@ -49,13 +51,8 @@ class VocabParallelEmbedding(nn.Module):
         for bad, what in refused:
             if bad:
                 raise ValueError(f"VocabParallelEmbedding: {what} is not supported; build the nn.Embedding without it")
-        group = group if group is not None else dist.distributed_c10d._get_default_group()
-        pp, rank = group.size(), group.rank()
+        group, (begin, end) = vocabulary_shard("VocabParallelEmbedding", embedding.num_embeddings, group)
         vocab, width = embedding.num_embeddings, embedding.embedding_dim
-        if vocab < pp:
-            raise ValueError(f"VocabParallelEmbedding: a vocabulary of {vocab} rows cannot be split over the "
-                             f"pipeline's {pp} ranks (every rank needs at least one row)")
-        begin, end = rank * vocab // pp, (rank + 1) * vocab // pp
         self.group = group
         self.data_parallel_group = data_parallel_group
         self.shard_range = (begin, end)

@@ -17,6 +17,19 @@ from torch import nn
 from . import control_plane
 
 
+def vocabulary_shard(who: str, vocab: int,
+                     group: dist.ProcessGroup | None) -> tuple[dist.ProcessGroup, tuple[int, int]]:
+    """The pipeline group (None: the world's) and this rank's contiguous rows [begin, end) of a
+    vocabulary of `vocab` rows split over it, as `who` (the class, for the error) shards them;
+    ValueError for fewer rows than ranks."""
+    group = group if group is not None else dist.distributed_c10d._get_default_group()
+    pp, rank = group.size(), group.rank()
+    if vocab < pp:
+        raise ValueError(f"{who}: a vocabulary of {vocab} rows cannot be split over the pipeline's {pp} ranks "
+                         "(every rank needs at least one row)")
+    return group, (rank * vocab // pp, (rank + 1) * vocab // pp)
+
+
 class VocabParallelOutput(nn.Module):
     """This rank's shard of an LM head (an ``nn.Linear`` from the hidden width to the vocabulary)
     and of its loss, the mean token cross-entropy of each microbatch.
@@ -52,13 +65,9 @@ class VocabParallelOutput(nn.Module):
         if not isinstance(head, nn.Linear):
             raise TypeError(f"VocabParallelOutput: head must be an nn.Linear (hidden width -> vocabulary), got "
                             f"{type(head).__name__}")
-        group = group if group is not None else dist.distributed_c10d._get_default_group()
+        group, (begin, end) = vocabulary_shard("VocabParallelOutput", head.out_features, group)
         pp, rank = group.size(), group.rank()
         vocab, width = head.out_features, head.in_features
-        if vocab < pp:
-            raise ValueError(f"VocabParallelOutput: a vocabulary of {vocab} rows cannot be split over the "
-                             f"pipeline's {pp} ranks (every rank needs at least one row)")
-        begin, end = rank * vocab // pp, (rank + 1) * vocab // pp
         self.group = group
         self.data_parallel_group = data_parallel_group
         if collective_group is not None and (collective_group.size(), collective_group.rank()) != (pp, rank):
