@@ -321,8 +321,8 @@ void register_runtime(py::module_& m) {
            "Whether `rank` is inside a coalesced post now.")
       .def("hold_coalesced_posts", &runtime::LoopbackWorld::hold_coalesced_posts, py::arg("rank"), py::arg("seconds"),
            "From now on the coalesced posts of `rank` stay open `seconds` before they end.")
-      .def("slow_aborts", &runtime::LoopbackWorld::slow_aborts, py::arg("seconds"),
-           "From now on a group abort takes `seconds`.")
+      .def("slow_aborts", &runtime::LoopbackWorld::slow_aborts, py::arg("rank"), py::arg("seconds"),
+           "From now on an abort of the group of `rank` takes `seconds`.")
       .def("store_requests", &runtime::LoopbackWorld::store_requests,
            "Requests made to the world's store so far (store=True), by operation.")
       .def("settles", &runtime::LoopbackWorld::settles, py::arg("rank"),

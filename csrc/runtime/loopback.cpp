@@ -81,7 +81,7 @@ struct LoopbackWorld::State {
   std::vector<int> aborts_in_coalescing;           // per rank: Backend::abort inside a coalesced post
   std::vector<char> coalescing;                    // per rank: inside a coalesced post now
   std::vector<double> hold_posts_s;                // per rank: hold_coalesced_posts
-  double abort_delay_s = 0;                        // slow_aborts
+  std::vector<double> abort_delay_s;               // per rank: slow_aborts
   // A collective (all-reduce, broadcast, reduce), matched by call order across the world.
   enum class CollectiveKind { AllReduce, Broadcast, Reduce };
   struct Collective {
@@ -238,7 +238,7 @@ class LoopbackBackend : public c10d::Backend, public ModelsStreamWaits, public P
       ended = take_receives(*state_, rank_);
       for (auto& [id, c] : state_->collectives)
         if (c.works[rank_]) ended.push_back(c.works[rank_]);
-      delay = state_->abort_delay_s;
+      delay = state_->abort_delay_s[rank_];
     }
     if (delay > 0) std::this_thread::sleep_for(std::chrono::duration<double>(delay));
     for (auto& w : ended) w->fail("loopback: the communicator was aborted");
@@ -522,6 +522,7 @@ LoopbackWorld::LoopbackWorld(int size, bool stream_waits, bool store, int laggin
   state_->aborts_in_coalescing.assign(size, 0);
   state_->coalescing.assign(size, 0);
   state_->hold_posts_s.assign(size, 0.0);
+  state_->abort_delay_s.assign(size, 0.0);
   state_->next_collective.assign(size, 0);
   for (int r = 0; r < size; ++r) {
     auto pg = shared ? c10::make_intrusive<c10d::ProcessGroup>(shared, r, size)
@@ -589,9 +590,10 @@ void LoopbackWorld::hold_coalesced_posts(int rank, double seconds) {
   state_->hold_posts_s[rank] = seconds;
 }
 
-void LoopbackWorld::slow_aborts(double seconds) {
+void LoopbackWorld::slow_aborts(int rank, double seconds) {
+  ZB_CHECK(rank >= 0 && rank < state_->size, "rank ", rank, " outside the loopback world of ", state_->size);
   std::lock_guard<std::mutex> lock(state_->mu);
-  state_->abort_delay_s = seconds;
+  state_->abort_delay_s[rank] = seconds;
 }
 
 std::map<std::string, int64_t> LoopbackWorld::store_requests() const {

@@ -92,8 +92,9 @@ class LoopbackWorld {
   bool in_coalescing(int rank) const;
   // From now on `rank`'s coalesced posts stay open for `seconds` before they end (a slow post).
   void hold_coalesced_posts(int rank, double seconds);
-  // From now on a group abort takes `seconds` (a slow communicator abort) before it returns.
-  void slow_aborts(double seconds);
+  // From now on an abort of `rank`'s group takes `seconds` (a slow communicator abort) before
+  // it returns.
+  void slow_aborts(int rank, double seconds);
   // Requests made to the world's store so far (store=true), by operation; the counts go on
   // across clear_events.
   std::map<std::string, int64_t> store_requests() const;
