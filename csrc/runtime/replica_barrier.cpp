@@ -11,6 +11,7 @@
 
 #include "runtime/errors.h"
 #include "runtime/failure_watch.h"
+#include "runtime/store_inbox.h"
 #include "zbpipe/cancel.h"
 
 namespace zbpipe::runtime {
@@ -116,9 +117,23 @@ void ReplicaGroup::meet_through_control(int tag, int64_t round, Clock::time_poin
   for (int k = 0, dist = 1; dist < size_; ++k, dist *= 2) {
     const int to = (rank_ + dist) % size_, from = (rank_ - dist + size_) % size_;
     const int t = kMeetTagBase + tag * 64 + k;
-    sends.push_back(control_->post({P2POp{true, to, t, at::full({1}, round, at::kLong)}}));
+    // The backend may refuse a post (Gloo, once a replica's connection closed): as a wait that
+    // failed, the rank that knows why gets its time to report it.
+    auto post = [&](P2POp op) {
+      try {
+        return control_->post({op});
+      } catch (const PipelineError&) {
+        throw;  // this rank's communication was aborted: a peer's failure, already known
+      } catch (const std::exception& e) {
+        await_report(std::min(deadline, Clock::now() + kReportGrace), what);
+        throw PipelineError(detail::str("waiting for ", what, " failed: the connection ", op.is_send ? "to" : "from",
+                                        " data-parallel group rank ", op.peer, " closed (the replica died or "
+                                        "failed): ", short_what(e)));
+      }
+    };
+    sends.push_back(post(P2POp{true, to, t, at::full({1}, round, at::kLong)}));
     auto got = at::empty({1}, at::kLong);
-    auto batch = control_->post({P2POp{false, from, t, got}});
+    auto batch = post(P2POp{false, from, t, got});
     const auto left = std::max(std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()),
                                std::chrono::milliseconds(1));
     try {

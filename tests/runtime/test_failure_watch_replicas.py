@@ -105,3 +105,36 @@ def test_a_killed_rank_fails_both_replicas(world, name):
         assert f"from rank {CULPRIT} " in first or f"to rank {CULPRIT} " in first, (rank, msg)
         if rank != 2:
             assert first.startswith("aborted because rank 2 failed in stage "), (rank, msg)
+
+
+def _lone_replicas(rank, world):
+    """pp 1 x dp 2: one DDP stage per rank; rank 1 dies at its first training forward, rank 0
+    sleeps 4 s in its own (Gloo sees the connection close meanwhile) and then reaches its
+    gradient sync's meeting, whose post to the dead replica Gloo refuses."""
+    import torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import zbpipe
+
+    pipe = [dist.new_group([r], timeout=GROUP_TIMEOUT) for r in range(2)][rank]
+    dp = dist.new_group([0, 1], timeout=GROUP_TIMEOUT)
+    mod = FaultyLinear(die_at=1 if rank == 1 else None, sleep_at=1 if rank == 0 else None)
+    stage = zbpipe.PipelineStage(DDP(mod, process_group=dp), 0, 1, "cpu", group=pipe)
+    sched = zbpipe.Schedule1F1B(stage, 2, loss_fn=F.mse_loss, timeout=STEP_TIMEOUT)
+    try:
+        sched.step(torch.randn(4, 8), target=torch.randn(4, 8))
+    except Exception as e:  # noqa: BLE001 - the result is the point
+        return type(e).__name__, str(e)
+    return "ok", ""
+
+
+def test_a_replica_dead_before_the_gradient_sync_is_named_not_glooed(spawn_world):
+    """Nobody can report a lone replica's death (it has no pipeline peer): the survivor's meeting
+    before the gradient sync, whose post Gloo refuses once the connection closed, names the
+    replica after its grace for a report, instead of raising Gloo's own error at the post."""
+    with pytest.raises(RankFailure, match="rank 1 failed first: exited with code 3") as info:
+        spawn_world(2).run(_lone_replicas, timeout_s=RUN_BOUND_S, settle_s=60)
+    kind, msg = info.value.results[0]
+    assert kind == "PipelineError", (kind, msg)
+    first = msg.splitlines()[0]
+    assert "to reach its gradient sync failed" in first and "data-parallel group rank 1" in first, msg
